@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up .venv (if missing or out of date) and run one of the project's jobs.
+#   bash scripts/dev.sh demo   # the main job: default demo on 8 emulated CPU devices
+#   bash scripts/dev.sh test   # the test suite
+#   bash scripts/dev.sh bench  # the benchmarks
+set -euo pipefail
+cd "$(dirname "$0")/.."
+job="${1:-demo}"; shift || true
+
+venv=.venv
+stamp="$venv/.xla_tp-installed"
+want="$(cat setup.py | sha256sum | cut -c1-16)"
+if [ ! -x "$venv/bin/python" ]; then
+  echo "[xla_tp] creating $venv" >&2
+  python3 -m venv "$venv"
+fi
+if [ "$(cat "$stamp" 2>/dev/null || true)" != "$want" ]; then
+  echo "[xla_tp] installing xla_tp and its pinned dependencies into $venv (first run: several minutes)" >&2
+  "$venv/bin/pip" install -q -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+# XLA on the CPU: 8 virtual devices, SPMD. What the compiled program does here is what it does on TPU.
+export PJRT_DEVICE="${PJRT_DEVICE:-CPU}" CPU_NUM_DEVICES="${CPU_NUM_DEVICES:-8}"
+export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
+py="$venv/bin/python"
+case "$job" in
+  demo)  exec "$py" -m xla_tp.demo "$@" ;;
+  test)  exec "$py" -m pytest -q tests "$@" ;;
+  bench) exec "$py" -m bench "$@" ;;
+  *) echo "unknown job '$job': use demo, test or bench" >&2; exit 2 ;;
+esac

@@ -1,0 +1,22 @@
+"""xla_tp: PyTorch tensor-parallel plans on XLA (Cloud TPU) through direct sharding calls."""
+from setuptools import find_packages, setup
+
+setup(
+    name="xla_tp",
+    version="0.1.0",
+    description="PyTorch tensor-parallel plans (ColwiseParallel/RowwiseParallel/...) applied on XLA with mark_sharding",
+    packages=find_packages(include=["xla_tp", "xla_tp.*"]),
+    python_requires=">=3.10",
+    # torch_xla 2.9.0 is binary-linked to torch 2.9.0 and does not declare it: both pinned exactly.
+    install_requires=[
+        "torch==2.9.0",
+        "torch_xla==2.9.0",
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        "hf": ["transformers==5.23.0"],
+        "test": ["pytest", "transformers==5.23.0"],
+    },
+    entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
+)

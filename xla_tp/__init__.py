@@ -1,0 +1,24 @@
+"""xla_tp: PyTorch tensor-parallel plans on XLA through direct sharding calls.
+
+Example::
+
+    import xla_tp
+    from xla_tp import ColwiseParallel, RowwiseParallel
+    mesh = xla_tp.make_mesh(model=4)
+    model = xla_tp.parallelize_xla(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, mesh=mesh)
+"""
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                               PrepareModuleInputOutput, PrepareModuleOutput,
+                                               RowwiseParallel, SequenceParallel)
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from .api import parallelize_module, parallelize_xla
+from .errors import MeshError, PlanError
+from .loss import loss_parallel
+from .mesh import make_mesh
+
+__all__ = [
+    "ColwiseParallel", "MeshError", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
+    "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard",
+    "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
+]

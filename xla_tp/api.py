@@ -1,0 +1,78 @@
+"""``parallelize_xla`` and torch's drop-in ``parallelize_module``.
+
+Data flows one way: plan input -> normalised ``Layout`` -> validation -> backend. Nothing is
+touched until the whole plan has been validated, so after a ``PlanError`` the model is exactly
+as it was. Example::
+
+    mesh = xla_tp.make_mesh(model=4)
+    model = xla_tp.parallelize_xla(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, mesh=mesh)
+"""
+from __future__ import annotations
+
+from typing import Any, Union
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from .backends import get_backend
+from .backends.place import place_module
+from .constraints import install_constraints
+from .errors import PlanError
+from .inference import make_inference_safe
+from .mesh import MeshLike, canonical_axis, to_xs_mesh
+from .plan.normalize import build_layout
+from .validate import validate
+
+PlanLike = Union[str, dict, ParallelStyle]
+
+
+def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike = None, *,
+                    tp_axis: str = "model", backend: str = "mark_sharding",
+                    strict: bool = True) -> nn.Module:
+    """Shard ``module`` in place on the XLA device following ``plan``; return it.
+
+    ``plan`` is a dict FQN pattern -> style (torch ``ParallelStyle``), one style for the root,
+    or ``"auto"``. ``mesh`` is an ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global
+    mesh of ``make_mesh``). Example::
+
+        model = parallelize_xla(model, {"layers.*.wq": ColwiseParallel(),
+                                        "layers.*.wo": RowwiseParallel()}, mesh=make_mesh(model=4))
+    """
+    if not isinstance(module, nn.Module):
+        raise PlanError(f"parallelize_xla takes an nn.Module, got {type(module).__name__}")
+    shard = get_backend(backend)
+    xmesh = to_xs_mesh(mesh)
+    axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    tp_axis = canonical_axis(tp_axis)
+    if isinstance(plan, str):
+        if plan != "auto":
+            raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style or 'auto'")
+        from .planners import plan_for
+        plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
+    layout = build_layout(module, plan, axes, tp_axis, strict)
+    validate(module, layout, axes)
+    place_module(module, layout.params, xmesh, shard)
+    install_constraints(module, layout, xmesh)
+    make_inference_safe(module)
+    return module
+
+
+def parallelize_module(module: nn.Module, device_mesh: Any = None,
+                       parallelize_plan: Union[dict, ParallelStyle, None] = None, *,
+                       src_data_rank: Any = 0) -> nn.Module:
+    """torch's ``parallelize_module`` signature, applied the xla_tp way.
+
+    The mesh's only axis (or its ``model``/``tp`` axis) is the tensor-parallel axis.
+    ``src_data_rank`` is accepted for compatibility: under SPMD there is one process that
+    holds the full tensor, so there is nothing to broadcast. Example::
+
+        parallelize_module(model, DeviceMesh("xla", list(range(4))), {"fc1": ColwiseParallel()})
+    """
+    xmesh = to_xs_mesh(device_mesh)
+    names = tuple(xmesh.axis_names)
+    tp_axis = names[0] if len(names) == 1 else "model"
+    if tp_axis not in names:
+        raise PlanError(f"parallelize_module: the mesh has axes {names} and none is the tensor-parallel "
+                        f"axis; pass a 1-D mesh or name one axis 'tp' or 'model'")
+    return parallelize_xla(module, parallelize_plan if parallelize_plan is not None else {},
+                           xmesh, tp_axis=tp_axis, strict=False)

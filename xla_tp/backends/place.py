@@ -1,0 +1,85 @@
+"""Put every parameter and buffer of a module on the XLA device with its sharding.
+
+CPU tensors are copied over; ``meta`` tensors become lazy XLA tensors, are annotated, and are
+then initialised by their module's ``reset_parameters()`` (so the values are created sharded).
+Tied parameters stay tied. Each sharded parameter remembers its sharding for the optimizer
+guard (``xla_tp.guard``).
+
+Example::
+
+    place_module(model, layout.params, mesh, shard_mark)
+"""
+from __future__ import annotations
+
+from typing import Mapping
+
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+from torch import nn
+
+from ..guard import remember_sharding, restore_sharding
+from ..plan.layout import Spec
+from . import ShardFn
+
+
+def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh, shard: ShardFn) -> None:
+    """Move/materialise ``module`` onto the XLA device and shard the parameters in ``specs``."""
+    device = torch_xla.device()
+    memo: dict[int, torch.Tensor] = {}
+    to_reset: list[nn.Module] = []
+    sharded: list[nn.Parameter] = []
+    for mfqn, mod in module.named_modules(remove_duplicate=False):
+        had_meta = False
+        for name, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in memo:
+                had_meta |= p.is_meta
+                fqn = f"{mfqn}.{name}" if mfqn else name
+                memo[id(p)] = _place_param(p, fqn, specs.get(fqn), mesh, shard, device)
+                if fqn in specs:
+                    sharded.append(memo[id(p)])
+            mod._parameters[name] = memo[id(p)]
+        for name, b in list(mod._buffers.items()):
+            if b is None:
+                continue
+            if id(b) not in memo:
+                had_meta |= b.is_meta
+                memo[id(b)] = _to_device(b, device)
+            mod._buffers[name] = memo[id(b)]
+        if had_meta and mod not in to_reset:
+            to_reset.append(mod)
+    if to_reset:
+        with torch.no_grad():
+            for mod in to_reset:
+                mod.reset_parameters()
+        for p in sharded:
+            restore_sharding(p)
+    torch_xla.sync()
+
+
+def _place_param(p: nn.Parameter, fqn: str, spec, mesh, shard: ShardFn, device) -> nn.Parameter:
+    t = p if p.device.type == "xla" else _to_device(p.detach(), device)
+    if spec is not None:
+        if _is_sharded(t):
+            t = xs.clear_sharding(t)
+        t = shard(t, mesh, spec)
+    new = p if t is p else nn.Parameter(t, requires_grad=p.requires_grad)
+    if new is not p:
+        new.__dict__.update(p.__dict__)
+    if spec is not None:
+        remember_sharding(new, fqn, mesh, spec)
+    return new
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    if t.device.type == "xla":
+        return t
+    if t.is_meta:
+        return torch.empty(t.shape, dtype=t.dtype, device=device)
+    return t.to(device)
+
+
+def _is_sharded(t: torch.Tensor) -> bool:
+    return torch_xla._XLAC._get_xla_sharding_spec(t) not in ("", "{replicated}")

@@ -1,0 +1,88 @@
+"""Activation layouts as sharding constraints, installed as module hooks.
+
+Each placement in a ``ModuleLayout`` chain becomes one ``ShardingConstraint``: a copy of the
+activation annotated with the placement's spec, whose gradient is annotated the same way in
+backward (a plain ``mark_sharding`` would constrain the forward value only, FACTS.md).
+Hooks run on every traced step, so they do as little as possible: precomputed chains, one
+spec per tensor, no allocation beyond the annotated copy. Example::
+
+    install_constraints(model, layout, mesh)   # forward pre-hooks and hooks on planned modules
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch_xla.distributed.spmd as xs
+from torch import nn
+
+from .plan.layout import Chain, Layout, ModuleLayout, activation_spec
+
+_HANDLES = "_xla_tp_hooks"
+
+
+class ShardingConstraint(torch.autograd.Function):
+    """``y = x`` laid out as ``spec``; ``dy`` laid out as ``spec`` too."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
+        ctx.mesh, ctx.spec = mesh, spec
+        return _annotated_copy(x, mesh, spec)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return _annotated_copy(grad, ctx.mesh, ctx.spec), None, None
+
+
+def _annotated_copy(x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
+    y = x.clone()
+    xs.mark_sharding(y, mesh, spec)
+    return y
+
+
+class _Constrainer:
+    """Applies chains of placements to tensors for one mesh and layout."""
+
+    def __init__(self, mesh: xs.Mesh, layout: Layout):
+        self.mesh, self.tp_axis, self.batch_axes = mesh, layout.tp_axis, layout.batch_axes
+        sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+        self.batch_size = math.prod(sizes[a] for a in self.batch_axes)
+
+    def __call__(self, x: Any, placements: Chain) -> Any:
+        if not placements or not isinstance(x, torch.Tensor) or x.device.type != "xla" or x.dim() == 0:
+            return x
+        for p in placements:
+            spec = activation_spec(p, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size)
+            x = ShardingConstraint.apply(x, self.mesh, spec)
+        return x
+
+    def pre_hook(self, ml: ModuleLayout):
+        def hook(module: nn.Module, args: tuple, kwargs: dict):
+            args = tuple(self(a, ml.inputs[i]) if i < len(ml.inputs) else a for i, a in enumerate(args))
+            kwargs = {k: self(v, ml.kwarg_inputs.get(k, ())) for k, v in kwargs.items()}
+            return args, kwargs
+        return hook
+
+    def post_hook(self, ml: ModuleLayout):
+        def hook(module: nn.Module, args: tuple, output: Any):
+            if isinstance(output, torch.Tensor):
+                return self(output, ml.outputs[0])
+            if isinstance(output, (tuple, list)):
+                done = [self(o, ml.outputs[i]) if i < len(ml.outputs) else o for i, o in enumerate(output)]
+                return type(output)(done)
+            return None
+        return hook
+
+
+def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh) -> None:
+    """Add the hooks for every module layout that constrains activations."""
+    constrain = _Constrainer(mesh, layout)
+    handles = getattr(root, _HANDLES, [])
+    for fqn, ml in layout.modules.items():
+        mod = root.get_submodule(fqn) if fqn else root
+        if any(ml.inputs) or any(ml.kwarg_inputs.values()):
+            handles.append(mod.register_forward_pre_hook(constrain.pre_hook(ml), with_kwargs=True))
+        if any(ml.outputs):
+            handles.append(mod.register_forward_hook(constrain.post_hook(ml)))
+    setattr(root, _HANDLES, handles)

@@ -1,0 +1,139 @@
+"""Meshes: ``make_mesh`` and the conversion of every mesh a user may hold into an ``xs.Mesh``.
+
+Axis names are ``data``, ``fsdp`` and ``model`` (aliases ``tp``/``tensor`` -> ``model``,
+``dp`` -> ``data``). Example::
+
+    mesh = make_mesh(data=2, model=4)     # 2 x 4 over 8 devices
+    mesh = make_mesh(model=None)          # 1-D over all devices
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import numpy as np
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+import torch_xla.runtime as xr
+
+from .errors import MeshError
+
+AXIS_ORDER = ("data", "fsdp", "model")
+AXIS_ALIASES = {"tp": "model", "tensor": "model", "dp": "data"}
+
+_runtime_ready = False
+
+
+def canonical_axis(name: str) -> str:
+    """``canonical_axis("tp") == "model"``; unknown names are returned unchanged."""
+    return AXIS_ALIASES.get(name, name)
+
+
+def ensure_runtime() -> None:
+    """Turn SPMD on and execute one tiny XLA computation, once per process.
+
+    The computation avoids the CPU-backward trap of FACTS.md: a CPU autograd backward that runs
+    before the XLA runtime has executed anything breaks every later XLA backward.
+    """
+    global _runtime_ready
+    if _runtime_ready:
+        return
+    if not xr.is_spmd():
+        xr.use_spmd()
+    (torch.ones(1, device=torch_xla.device()) * 2).cpu()
+    _runtime_ready = True
+
+
+def device_count() -> int:
+    ensure_runtime()
+    return xr.global_runtime_device_count()
+
+
+def make_mesh(**axes: Optional[int]) -> xs.Mesh:
+    """Build a named ``xs.Mesh`` over all devices and make it the global mesh.
+
+    An axis left out has size 1; ``model=None`` takes the devices left over (also the default
+    when no axis is given). Example::
+
+        mesh = make_mesh(fsdp=2, model=4)
+        mesh.axis_names   # ('data', 'fsdp', 'model') with sizes (1, 2, 4)
+    """
+    sizes: dict[str, Optional[int]] = {}
+    for name, size in axes.items():
+        axis = canonical_axis(name)
+        if axis not in AXIS_ORDER:
+            raise MeshError(f"make_mesh: unknown axis {name!r}; use one of {AXIS_ORDER} "
+                            f"(aliases {sorted(AXIS_ALIASES)})")
+        if axis in sizes:
+            raise MeshError(f"make_mesh: axis {axis!r} given twice (through {name!r})")
+        if size is not None and (not isinstance(size, int) or size < 1):
+            raise MeshError(f"make_mesh: axis {name!r} has size {size!r}; sizes are positive ints or None")
+        sizes[axis] = size
+    if not sizes:
+        sizes["model"] = None
+    n = device_count()
+    free = [a for a, s in sizes.items() if s is None]
+    if len(free) > 1:
+        raise MeshError(f"make_mesh: only one axis may be None, got {free}")
+    known = math.prod(s for s in sizes.values() if s is not None)
+    if free:
+        if n % known:
+            raise MeshError(f"make_mesh: fixed axes multiply to {known}, which does not divide "
+                            f"the {n} devices")
+        sizes[free[0]] = n // known
+    shape = tuple(sizes.get(a) or 1 for a in AXIS_ORDER)
+    if math.prod(shape) != n:
+        raise MeshError(f"make_mesh: axis sizes {dict(zip(AXIS_ORDER, shape))} multiply to "
+                        f"{math.prod(shape)} but there are {n} devices")
+    mesh = xs.Mesh(np.arange(n), shape, AXIS_ORDER)
+    xs.set_global_mesh(mesh)
+    return mesh
+
+
+MeshLike = Union[xs.Mesh, "torch.distributed.device_mesh.DeviceMesh", None]
+
+
+def to_xs_mesh(mesh: MeshLike) -> xs.Mesh:
+    """Return an ``xs.Mesh`` for an ``xs.Mesh``, an XLA ``DeviceMesh`` or None.
+
+    None means the global mesh set by ``make_mesh`` (or ``xs.set_global_mesh``), else a 1-D
+    ``model`` mesh over all devices. Axis names go through the aliases; an unnamed 1-D mesh
+    is the ``model`` axis.
+    """
+    ensure_runtime()
+    if mesh is None:
+        mesh = xs.get_global_mesh() or xs.Mesh(np.arange(device_count()), (device_count(),), ("model",))
+    if isinstance(mesh, xs.Mesh):
+        names = mesh.axis_names or _default_names(len(mesh.mesh_shape))
+        shape, ids = tuple(mesh.mesh_shape), np.asarray(mesh.device_ids)
+    elif _is_device_mesh(mesh):
+        if mesh.device_type != "xla":
+            raise MeshError(f"DeviceMesh has device_type {mesh.device_type!r}; build it as "
+                            f"DeviceMesh('xla', ...)")
+        names = mesh.mesh_dim_names or _default_names(mesh.ndim)
+        ids = mesh.mesh.cpu().numpy()
+        shape = tuple(ids.shape)
+    else:
+        raise MeshError(f"mesh must be an xs.Mesh, a DeviceMesh('xla', ...) or None; got {type(mesh).__name__}")
+    names = tuple(canonical_axis(a) for a in names)
+    if len(set(names)) != len(names):
+        raise MeshError(f"mesh axis names {names} repeat after aliasing")
+    if isinstance(mesh, xs.Mesh) and tuple(mesh.axis_names or ()) == names:
+        return mesh
+    return xs.Mesh(ids.reshape(-1), shape, names)
+
+
+def axis_size(mesh: xs.Mesh, axis: str) -> int:
+    return int(mesh.mesh_shape[mesh.axis_names.index(axis)])
+
+
+def _default_names(ndim: int) -> tuple[str, ...]:
+    if ndim == 1:
+        return ("model",)
+    return AXIS_ORDER[-ndim:] if ndim <= len(AXIS_ORDER) else tuple(f"axis{i}" for i in range(ndim))
+
+
+def _is_device_mesh(obj: object) -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+    return isinstance(obj, DeviceMesh)

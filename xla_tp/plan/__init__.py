@@ -1,0 +1,1 @@
+"""Plan front-ends: every plan format is lowered to one normalised ``Layout``."""

@@ -1,0 +1,98 @@
+"""The normalised form every plan is lowered to, before validation and before any backend.
+
+A ``Layout`` holds, per module that the plan names, a ``ModuleLayout``:
+
+- ``params``: local parameter name -> ``Spec``, one mesh axis (or None, or a tuple of axes)
+  per tensor dimension, exactly the partition spec ``xs.mark_sharding`` takes;
+- ``inputs`` / ``kwarg_inputs`` / ``outputs``: per activation, a chain of placements
+  (``Shard(d)`` / ``Replicate()`` over the tensor-parallel axis) applied in order as sharding
+  constraints. ``(Shard(1), Replicate())`` on an input means "arrives sequence-sharded, is
+  all-gathered here". Placements keep torch's types so negative dims resolve against the
+  activation's rank at run time.
+
+Example::
+
+    ModuleLayout(fqn="layers.0.wq", source="layers.*.wq", style="ColwiseParallel()",
+                 params={"weight": ("model", None)},
+                 inputs=((Replicate(), Replicate()),), outputs=((Shard(-1),),))
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
+
+Axis = Union[str, tuple[str, ...], None]
+Spec = tuple[Axis, ...]
+Chain = tuple[Placement, ...]
+
+
+@dataclass
+class ModuleLayout:
+    """What one plan entry asks of one module."""
+
+    fqn: str
+    source: str
+    style: str
+    params: dict[str, Spec] = field(default_factory=dict)
+    inputs: tuple[Chain, ...] = ()
+    kwarg_inputs: dict[str, Chain] = field(default_factory=dict)
+    outputs: tuple[Chain, ...] = ()
+
+    @property
+    def has_constraints(self) -> bool:
+        return any(self.inputs) or any(self.kwarg_inputs.values()) or any(self.outputs)
+
+
+@dataclass
+class Layout:
+    """A whole plan, normalised: ``modules`` by FQN, ``params`` by parameter FQN."""
+
+    tp_axis: str
+    batch_axes: tuple[str, ...]
+    modules: dict[str, ModuleLayout] = field(default_factory=dict)
+    params: dict[str, Spec] = field(default_factory=dict)
+
+    def spec_of(self, param_fqn: str) -> Optional[Spec]:
+        return self.params.get(param_fqn)
+
+
+def chain(*placements: Optional[Placement]) -> Chain:
+    """The placements to constrain to, in order, with Nones and repeats dropped.
+
+    ``chain(Shard(1), Replicate()) == (Shard(1), Replicate())``;
+    ``chain(Replicate(), Replicate()) == (Replicate(),)``. Partial placements are dropped:
+    under SPMD every activation is a global value, so a pending reduction is not a layout.
+    """
+    out: list[Placement] = []
+    for p in placements:
+        if p is None or not isinstance(p, (Shard, Replicate)):
+            continue
+        if not out or out[-1] != p:
+            out.append(p)
+    return tuple(out)
+
+
+def activation_spec(placement: Placement, shape: tuple[int, ...], tp_axis: str,
+                    batch_axes: tuple[str, ...], batch_size: int) -> Spec:
+    """The partition spec of an activation of ``shape`` under ``placement`` over ``tp_axis``.
+
+    Dimension 0 is the batch: it is sharded over ``batch_axes`` (data/fsdp) when it divides
+    ``batch_size`` (their product), so a TP constraint never gathers the data-parallel axis.
+    ``activation_spec(Shard(1), (8, 16, 64), "model", ("data",), 2) == ("data", "model", None)``
+    """
+    ndim = len(shape)
+    spec: list[Axis] = [None] * ndim
+    if ndim == 0:
+        return ()
+    if batch_axes and shape[0] % batch_size == 0:
+        spec[0] = batch_axes if len(batch_axes) > 1 else batch_axes[0]
+    if isinstance(placement, Shard):
+        dim = placement.dim % ndim
+        if spec[dim] is None:
+            spec[dim] = tp_axis
+        else:
+            prev = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
+            spec[dim] = (*prev, tp_axis)
+    return tuple(spec)

@@ -1,0 +1,73 @@
+"""Plan keys -> module FQNs, the way torch matches them, plus ``re:`` keys and suggestions.
+
+- A plain key is split on ``.`` and each segment is matched with ``fnmatch`` against the
+  module's FQN segment (torch's ``parallelize_module`` rule): ``layers.*.attention.wq``.
+- ``re:<regex>`` matches the whole FQN (``re.fullmatch``): ``re:layers\\.[0-3]\\.attention\\.w[qkv]``.
+- ``""`` is the root module.
+
+When several keys match one module, the most specific kind wins: exact, then wildcard, then
+regex. Two keys of the same kind on one module are ambiguous (``PlanError``).
+
+Example::
+
+    matches, unused = match_keys(["layers.*.wq"], ["", "layers", "layers.0", "layers.0.wq"])
+    matches == {"layers.0.wq": "layers.*.wq"}; unused == []
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from fnmatch import fnmatchcase
+from typing import Iterable, Sequence
+
+from ..errors import PlanError
+
+EXACT, WILDCARD, REGEX = 0, 1, 2
+_WILDCARD_CHARS = set("*?[")
+_DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+def key_kind(key: str) -> int:
+    if key.startswith("re:"):
+        return REGEX
+    return WILDCARD if _WILDCARD_CHARS & set(key) else EXACT
+
+
+def key_matches(key: str, fqn: str) -> bool:
+    """``key_matches("layers.*.wq", "layers.3.wq")`` is True; ``"layers.*"`` does not match ``"layers.3.wq"``."""
+    if key.startswith("re:"):
+        try:
+            return re.fullmatch(key[3:], fqn) is not None
+        except re.error as e:
+            raise PlanError(f"plan key {key!r}: invalid regular expression: {e}") from None
+    if key == "" or fqn == "":
+        return key == fqn
+    parts, names = key.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(fnmatchcase(n, p) for n, p in zip(names, parts))
+
+
+def match_keys(keys: Iterable[str], fqns: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """Return (module FQN -> winning key, keys that matched nothing)."""
+    best: dict[str, str] = {}
+    unused: list[str] = []
+    for key in keys:
+        hit = False
+        for fqn in fqns:
+            if not key_matches(key, fqn):
+                continue
+            hit = True
+            other = best.get(fqn)
+            if other is None or key_kind(key) < key_kind(other):
+                best[fqn] = key
+            elif key_kind(key) == key_kind(other):
+                raise PlanError(f"plan keys {other!r} and {key!r} both match module {fqn!r}; "
+                                f"make one of them more specific or remove one")
+        if not hit:
+            unused.append(key)
+    return best, unused
+
+
+def suggest(key: str, fqns: Sequence[str], n: int = 3) -> list[str]:
+    """The closest real FQNs (and their wildcard forms) to a key that matched nothing."""
+    pool = sorted(set(fqns) | {_DIGITS.sub("*", f) for f in fqns} - {""})
+    return difflib.get_close_matches(key.removeprefix("re:"), pool, n=n, cutoff=0.5)

@@ -1,0 +1,93 @@
+"""Plan input -> ``Layout``: match keys, lower each style, collect per-parameter specs.
+
+Example::
+
+    layout = build_layout(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
+                          mesh_axes={"model": 4}, tp_axis="model", strict=True)
+    layout.params   # {'fc1.weight': ('model', None), 'fc1.bias': ('model',), 'fc2.weight': (None, 'model'), ...}
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Mapping
+
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+from ..errors import PlanError
+from .layout import Layout, ModuleLayout, Spec
+from .match import match_keys, suggest
+from .torch_styles import lower_torch_style
+
+BATCH_AXES = ("data", "fsdp")
+FSDP_AXIS = "fsdp"
+
+PlanInput = Mapping[str, Any]
+
+
+def build_layout(module: nn.Module, plan: PlanInput | ParallelStyle, mesh_axes: Mapping[str, int],
+                 tp_axis: str, strict: bool = True) -> Layout:
+    """Normalise ``plan`` for ``module`` on a mesh with ``mesh_axes`` (name -> size)."""
+    if tp_axis not in mesh_axes:
+        raise PlanError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: {list(mesh_axes)}); "
+                        f"pass tp_axis= one of them")
+    if isinstance(plan, ParallelStyle):
+        plan = {"": plan}
+    if not isinstance(plan, Mapping):
+        raise PlanError(f"plan must be a dict of FQN pattern -> style (or one style), got {type(plan).__name__}")
+    modules = dict(module.named_modules())
+    matches, unused = match_keys(list(plan), list(modules))
+    if unused:
+        lines = [f"{k!r} (did you mean {', '.join(map(repr, suggest(k, list(modules)))) or 'nothing close'}?)"
+                 for k in unused]
+        msg = "plan keys match no module: " + "; ".join(lines)
+        if strict:
+            raise PlanError(msg + ". Fix the keys or pass strict=False to skip them")
+        warnings.warn(msg, stacklevel=3)
+    batch_axes = tuple(a for a in BATCH_AXES if mesh_axes.get(a, 1) > 1)
+    layout = Layout(tp_axis=tp_axis, batch_axes=batch_axes)
+    for fqn, key in matches.items():
+        layout.modules[fqn] = lower_style(plan[key], fqn, modules[fqn], key, tp_axis)
+    layout.params = _param_specs(module, layout.modules)
+    if mesh_axes.get(FSDP_AXIS, 1) > 1:
+        _add_fsdp(module, layout.params, mesh_axes[FSDP_AXIS])
+    return layout
+
+
+def lower_style(style: Any, fqn: str, module: nn.Module, key: str, tp_axis: str) -> ModuleLayout:
+    """Dispatch one plan value to the front-end that understands it."""
+    if isinstance(style, ParallelStyle):
+        return lower_torch_style(style, fqn, module, key, tp_axis)
+    raise PlanError(f"plan key {key!r}: {style!r} is not a style; use a torch ParallelStyle such as "
+                    f"ColwiseParallel() or RowwiseParallel()")
+
+
+def _param_specs(module: nn.Module, layouts: Mapping[str, ModuleLayout]) -> dict[str, Spec]:
+    """Parameter FQN -> spec; a tied parameter takes one spec, or the plan is contradictory."""
+    canonical: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        canonical.setdefault(id(p), name)
+    specs: dict[str, Spec] = {}
+    origin: dict[str, str] = {}
+    for fqn, ml in layouts.items():
+        mod = module.get_submodule(fqn) if fqn else module
+        for local, spec in ml.params.items():
+            p = mod.get_parameter(local)
+            name = canonical[id(p)]
+            if name in specs and specs[name] != spec:
+                raise PlanError(f"parameter {name!r} is shared by {origin[name]!r} and {fqn!r}, whose "
+                                f"styles shard it differently ({specs[name]} vs {spec}); give both the "
+                                f"same layout or untie the weights")
+            specs[name], origin[name] = spec, fqn
+    return specs
+
+
+def _add_fsdp(module: nn.Module, specs: dict[str, Spec], fsdp_size: int) -> None:
+    """Shard every parameter's first free dimension that divides over the ``fsdp`` axis."""
+    for name, p in module.named_parameters():
+        spec = list(specs.get(name, (None,) * p.dim()))
+        for d, size in enumerate(p.shape):
+            if spec[d] is None and size % fsdp_size == 0:
+                spec[d] = FSDP_AXIS
+                break
+        specs[name] = tuple(spec)
