@@ -58,6 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         logits = m(x)
         loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
+        if name == "tp":
+            torch_xla.sync()  # one program for every gradient, not one per .cpu() read
         errors[name] = (logits.detach().cpu(), loss.detach().cpu(),
                         {n: p.grad.cpu() for n, p in m.named_parameters()})
     (rl, rloss, rg), (tl, tloss, tg) = errors["ref"], errors["tp"]

@@ -1,0 +1,57 @@
+"""Shared test helpers: compiled-program reading, sharding strings, reference comparison."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+from xla_tp.audit.hlo import capture_partitioned_hlo, collective_summary, parse_collectives
+
+
+def collective_counts(tensors) -> dict[str, int]:
+    """Collective op kind -> count in the post-partition HLO computing ``tensors``."""
+    text = capture_partitioned_hlo(list(tensors))
+    return {k: v["count"] for k, v in collective_summary(parse_collectives(text)).items()}
+
+
+def sharding(t: torch.Tensor) -> str:
+    return torch_xla._XLAC._get_xla_sharding_spec(t)
+
+
+def expected_sharding(shape, mesh: xs.Mesh, spec) -> str:
+    """The sharding string a fresh tensor of ``shape`` gets under ``spec``."""
+    t = torch.zeros(shape, device=torch_xla.device())
+    xs.mark_sharding(t, mesh, spec)
+    return sharding(t)
+
+
+def twin(module_cls, *args, seed: int = 0, **kwargs):
+    """Two identical CPU modules: (reference, to_parallelize)."""
+    torch.manual_seed(seed)
+    ref = module_cls(*args, **kwargs)
+    return ref, copy.deepcopy(ref)
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().cpu().float() - b.detach().cpu().float()).abs().max().item()
+
+
+def grads(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """All gradients on the CPU. One ``sync`` first: reading pending XLA tensors one by one would
+    compile one program per tensor."""
+    torch_xla.sync()
+    return {n: p.grad.detach().cpu() for n, p in module.named_parameters() if p.grad is not None}
+
+
+class MLP(torch.nn.Module):
+    """fc1 (colwise) -> relu -> fc2 (rowwise)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32, bias: bool = True):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(dim, hidden, bias=bias)
+        self.fc2 = torch.nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))

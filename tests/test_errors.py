@@ -1,0 +1,120 @@
+"""Every bad input raises a clear error naming the culprit, and leaves the model exactly as it was."""
+import numpy as np
+import pytest
+import torch
+import torch_xla.distributed.spmd as xs
+from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
+
+import xla_tp
+from xla_tp import ColwiseParallel, RowwiseParallel, PlanError
+
+from .helpers import MLP
+
+
+def snapshot(model: nn.Module):
+    """Everything parallelize_xla could change: tensors (identity, device, values), hooks, forward."""
+    return ([(n, id(t), t.device, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()],
+            [(n, len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()],
+            "forward" in vars(model))
+
+
+def assert_unchanged(model, snap):
+    now = snapshot(model)
+    assert [(n, i, d) for n, i, d, _ in now[0]] == [(n, i, d) for n, i, d, _ in snap[0]]
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(now[0], snap[0]))
+    assert now[1:] == snap[1:]
+
+
+class Conv(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(4, 8, 3)
+        self.fc1 = nn.Linear(16, 30)
+        self.fc2 = nn.Linear(30, 16)
+
+
+class Fancy(ParallelStyle):
+    def _apply(self, module, device_mesh):
+        return module
+
+
+CASES = [
+    # (model factory, plan, kwargs, error, words the message must contain)
+    (lambda: MLP(16, 32), {"fc1": ColwiseParallel(), "fc3": RowwiseParallel()}, {}, PlanError, ["'fc3'", "fc1"]),
+    (lambda: MLP(16, 32), {"layers.*.fc2": RowwiseParallel()}, {}, PlanError, ["'layers.*.fc2'", "match no module"]),
+    (Conv, {"conv": ColwiseParallel()}, {}, PlanError, ["'conv'", "Conv1d", "nn.Linear"]),
+    (Conv, {"fc1": ColwiseParallel()}, {}, PlanError, ["'fc1.weight'", "30", "divisible by 8"]),
+    (lambda: MLP(16, 32), {"fc1": ColwiseParallel()}, {"tp_axis": "expert"}, PlanError, ["'expert'", "axis"]),
+    (lambda: MLP(16, 32), {"fc1": "colwize"}, {}, PlanError, ["'fc1'", "'colwize'"]),
+    (lambda: MLP(16, 32), {"fc1": Fancy()}, {}, PlanError, ["Fancy", "'fc1'"]),
+    (lambda: MLP(16, 32), {"fc1": ColwiseParallel()}, {"backend": "jax"}, PlanError, ["'jax'"]),
+    (lambda: MLP(16, 32), [("fc1", ColwiseParallel())], {}, PlanError, ["list"]),
+    (lambda: MLP(16, 32), {"re:fc[": ColwiseParallel()}, {}, PlanError, ["'re:fc['", "regular expression"]),
+    (lambda: MLP(16, 32), {"fc*": ColwiseParallel(), "re:fc.": RowwiseParallel(), "f?1": RowwiseParallel()}, {},
+     PlanError, ["'fc1'", "'fc*'", "'f?1'"]),
+]
+
+
+@pytest.mark.parametrize("factory, plan, kwargs, error, words", CASES)
+def test_bad_plan_raises_and_leaves_model_untouched(factory, plan, kwargs, error, words):
+    model = factory()
+    snap = snapshot(model)
+    with pytest.raises(error) as info:
+        xla_tp.parallelize_xla(model, plan, mesh=xla_tp.make_mesh(model=8), **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert_unchanged(model, snap)
+
+
+def test_unmatched_key_suggests_wildcard_fqn():
+    model = nn.ModuleDict({"layers": nn.ModuleList([MLP(16, 32) for _ in range(2)])})
+    with pytest.raises(PlanError, match=r"did you mean 'layers\.\*\.fc1'"):
+        xla_tp.parallelize_xla(model, {"layers.*.fc_1": ColwiseParallel()}, mesh=xla_tp.make_mesh(model=8))
+
+
+def test_non_strict_skips_unmatched_keys_with_a_warning():
+    model = MLP(16, 32)
+    with pytest.warns(UserWarning, match="'fc3'"):
+        xla_tp.parallelize_xla(model, {"fc1": ColwiseParallel(), "fc3": RowwiseParallel()},
+                               mesh=xla_tp.make_mesh(model=8), strict=False)
+    assert model.fc1.weight.device.type == "xla"
+
+
+def test_tied_parameter_with_conflicting_styles():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(32, 16)
+            self.head = nn.Linear(16, 32, bias=False)
+            self.head.weight = self.emb.weight
+    model = Tied()
+    snap = snapshot(model)
+    with pytest.raises(PlanError, match=r"'emb.weight' is shared by 'emb' and 'head'"):
+        xla_tp.parallelize_xla(model, {"emb": ColwiseParallel(), "head": ColwiseParallel()},
+                               mesh=xla_tp.make_mesh(model=8))
+    assert_unchanged(model, snap)
+
+
+def test_meta_module_without_reset_parameters():
+    class Raw(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(16, 16))
+    with torch.device("meta"):
+        model = nn.ModuleDict({"raw": Raw(), "fc": nn.Linear(16, 16)})
+    with pytest.raises(PlanError, match=r"'raw' \(Raw\) has tensors \['w'\] on the meta device"):
+        xla_tp.parallelize_xla(model, {"fc": ColwiseParallel()}, mesh=xla_tp.make_mesh(model=8))
+    assert model.fc.weight.is_meta
+
+
+def test_mesh_without_the_tp_axis():
+    mesh = xs.Mesh(np.arange(8), (2, 4), ("data", "expert"))
+    model = MLP(16, 32)
+    with pytest.raises(PlanError, match=r"tp_axis 'model' is not an axis of the mesh"):
+        xla_tp.parallelize_xla(model, {"fc1": ColwiseParallel()}, mesh=mesh)
+
+
+def test_not_a_module():
+    with pytest.raises(PlanError, match="nn.Module"):
+        xla_tp.parallelize_xla(torch.ones(3), {})
