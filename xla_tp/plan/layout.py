@@ -25,7 +25,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 Axis = Union[str, tuple[str, ...], None]
 Spec = tuple[Axis, ...]
-Chain = tuple[Placement, ...]
+Chain = tuple[Union[Placement, Spec], ...]  # a Spec entry is an explicit per-dimension constraint
 
 
 @dataclass
@@ -65,23 +65,26 @@ def chain(*placements: Optional[Placement]) -> Chain:
     ``chain(Replicate(), Replicate()) == (Replicate(),)``. Partial placements are dropped:
     under SPMD every activation is a global value, so a pending reduction is not a layout.
     """
-    out: list[Placement] = []
+    out: list[Placement | Spec] = []
     for p in placements:
-        if p is None or not isinstance(p, (Shard, Replicate)):
+        if p is None or not isinstance(p, (Shard, Replicate, tuple)):
             continue
         if not out or out[-1] != p:
             out.append(p)
     return tuple(out)
 
 
-def activation_spec(placement: Placement, shape: tuple[int, ...], tp_axis: str,
+def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis: str,
                     batch_axes: tuple[str, ...], batch_size: int) -> Spec:
     """The partition spec of an activation of ``shape`` under ``placement`` over ``tp_axis``.
 
     Dimension 0 is the batch: it is sharded over ``batch_axes`` (data/fsdp) when it divides
     ``batch_size`` (their product), so a TP constraint never gathers the data-parallel axis.
     ``activation_spec(Shard(1), (8, 16, 64), "model", ("data",), 2) == ("data", "model", None)``
+    An explicit spec (a tuple of axes, from rule lists) is used as it is.
     """
+    if isinstance(placement, tuple):
+        return placement
     ndim = len(shape)
     spec: list[Axis] = [None] * ndim
     if ndim == 0:

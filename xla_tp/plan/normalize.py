@@ -17,6 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..errors import PlanError
 from .layout import Layout, ModuleLayout, Spec
 from .match import match_keys, suggest
+from .styles import ShardParams
 from .torch_styles import lower_torch_style
 
 BATCH_AXES = ("data", "fsdp")
@@ -58,6 +59,8 @@ def lower_style(style: Any, fqn: str, module: nn.Module, key: str, tp_axis: str)
     """Dispatch one plan value to the front-end that understands it."""
     if isinstance(style, ParallelStyle):
         return lower_torch_style(style, fqn, module, key, tp_axis)
+    if isinstance(style, ShardParams):
+        return style.lower(fqn, module, key, tp_axis)
     raise PlanError(f"plan key {key!r}: {style!r} is not a style; use a torch ParallelStyle such as "
                     f"ColwiseParallel() or RowwiseParallel()")
 
