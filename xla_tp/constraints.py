@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
@@ -36,8 +37,10 @@ class ShardingConstraint(torch.autograd.Function):
 
 
 def _annotated_copy(x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
+    """A copy of ``x`` behind a Sharding custom call. ``xs.mark_sharding`` cannot be used: on a
+    copy of device data (a fresh input) it refuses to replace the existing annotation."""
     y = x.clone()
-    xs.mark_sharding(y, mesh, spec)
+    torch_xla._XLAC._xla_annotate_custom_sharding(y, mesh.get_op_sharding(spec))
     return y
 
 
