@@ -159,3 +159,12 @@ def test_torch_parallelize_module_signature_is_drop_in():
     import torch_xla.distributed.spmd as xs
     mesh = xs.Mesh(list(range(8)), (8,), ("model",))
     assert sharding(model.fc2.weight) == expected_sharding((16, 32), mesh, (None, "model"))
+
+
+def test_parallelizing_again_replaces_the_previous_hooks():
+    mesh = xla_tp.make_mesh(model=8)
+    model = MLP(16, 32)
+    xla_tp.parallelize_xla(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, mesh=mesh)
+    xla_tp.parallelize_xla(model, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()}, mesh=mesh)
+    assert len(model.fc1._forward_pre_hooks) == 1 and len(model.fc1._forward_hooks) == 1
+    assert sharding(model.fc1.weight) == expected_sharding((32, 16), mesh, (None, "model"))

@@ -79,9 +79,14 @@ class _Constrainer:
 
 
 def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh) -> None:
-    """Add the hooks for every module layout that constrains activations."""
+    """Add the hooks for every module layout that constrains activations.
+
+    Parallelizing the same root again replaces the hooks of the previous call.
+    """
+    for handle in getattr(root, _HANDLES, []):
+        handle.remove()
     constrain = _Constrainer(mesh, layout)
-    handles = getattr(root, _HANDLES, [])
+    handles = []
     for fqn, ml in layout.modules.items():
         mod = root.get_submodule(fqn) if fqn else root
         if any(ml.inputs) or any(ml.kwarg_inputs.values()):
