@@ -1,12 +1,26 @@
-"""Plan keys -> module FQNs, the way torch matches them, plus ``re:`` keys and suggestions.
+"""Plan keys -> module (or parameter) FQNs, the way torch matches them, plus ``re:`` keys and suggestions.
 
-- A plain key is split on ``.`` and each segment is matched with ``fnmatch`` against the
-  module's FQN segment (torch's ``parallelize_module`` rule): ``layers.*.attention.wq``.
+Key syntax:
+
+- A plain key is split on ``.`` and each segment is matched with ``fnmatch`` against the FQN's
+  segment (torch's ``parallelize_module`` rule): ``layers.*.attention.wq``. HF plans use the same
+  syntax (HF replaces layer numbers by ``*`` and looks the result up, which this subsumes).
 - ``re:<regex>`` matches the whole FQN (``re.fullmatch``): ``re:layers\\.[0-3]\\.attention\\.w[qkv]``.
 - ``""`` is the root module.
 
-When several keys match one module, the most specific kind wins: exact, then wildcard, then
-regex. Two keys of the same kind on one module are ambiguous (``PlanError``).
+Precedence (what ``normalize.build_layout`` does with these functions):
+
+1. Keys are matched against module FQNs first. When several keys match one module, the most
+   specific kind wins: exact, then wildcard, then regex. Two keys of the same kind on one module
+   are ambiguous (``PlanError``): the plan's order never decides.
+2. Keys that match no module are matched against parameter FQNs (``experts.gate_up_proj``,
+   ``lm_head.weight``), with the same precedence. A parameter key plans that one parameter and
+   overrides whatever a module key says about it (HF: a parameter's own rule beats its parent's).
+3. Keys that match nothing are errors in strict mode (warnings otherwise), each with the closest
+   real FQNs suggested (``suggest``), wildcard forms included (``layers.*.fc1``).
+
+Ordered rule lists (``re.search``, first match wins) are resolved per parameter in ``rules.py``
+into exact parameter keys, so they never compete here.
 
 Example::
 

@@ -17,7 +17,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from ..errors import PlanError
 from .layout import Layout, ModuleLayout, Spec
 from .match import match_keys, suggest
-from .styles import ShardParams
+from .hf import lower_hf_style
 from .torch_styles import lower_torch_style
 
 BATCH_AXES = ("data", "fsdp")
@@ -37,18 +37,21 @@ def build_layout(module: nn.Module, plan: PlanInput | ParallelStyle, mesh_axes: 
     if not isinstance(plan, Mapping):
         raise PlanError(f"plan must be a dict of FQN pattern -> style (or one style), got {type(plan).__name__}")
     modules = dict(module.named_modules())
+    params = [n for n, _ in module.named_parameters(remove_duplicate=False)]
     matches, unused = match_keys(list(plan), list(modules))
-    if unused:
-        lines = [f"{k!r} (did you mean {', '.join(map(repr, suggest(k, list(modules)))) or 'nothing close'}?)"
-                 for k in unused]
-        msg = "plan keys match no module: " + "; ".join(lines)
-        if strict:
-            raise PlanError(msg + ". Fix the keys or pass strict=False to skip them")
-        warnings.warn(msg, stacklevel=3)
+    param_matches, unused = match_keys(unused, params)
+    _report_unused(unused, list(modules) + params, strict)
     batch_axes = tuple(a for a in BATCH_AXES if mesh_axes.get(a, 1) > 1)
     layout = Layout(tp_axis=tp_axis, batch_axes=batch_axes)
     for fqn, key in matches.items():
         layout.modules[fqn] = lower_style(plan[key], fqn, modules[fqn], key, tp_axis)
+    for pfqn, key in param_matches.items():
+        owner, _, local = pfqn.rpartition(".")
+        one = lower_param(plan[key], owner, modules[owner], local, key, tp_axis)
+        if owner in layout.modules:
+            layout.modules[owner].params.update(one.params)
+        else:
+            layout.modules[owner] = one
     layout.params = _param_specs(module, layout.modules)
     if mesh_axes.get(FSDP_AXIS, 1) > 1:
         _add_fsdp(module, layout.params, mesh_axes[FSDP_AXIS])
@@ -59,10 +62,37 @@ def lower_style(style: Any, fqn: str, module: nn.Module, key: str, tp_axis: str)
     """Dispatch one plan value to the front-end that understands it."""
     if isinstance(style, ParallelStyle):
         return lower_torch_style(style, fqn, module, key, tp_axis)
-    if isinstance(style, ShardParams):
+    if isinstance(style, str):
+        return lower_hf_style(style, fqn, module, key, tp_axis)
+    if callable(getattr(style, "lower", None)):
         return style.lower(fqn, module, key, tp_axis)
     raise PlanError(f"plan key {key!r}: {style!r} is not a style; use a torch ParallelStyle such as "
-                    f"ColwiseParallel() or RowwiseParallel()")
+                    f"ColwiseParallel(), a Hugging Face style string such as 'colwise', or ShardParams")
+
+
+def lower_param(style: Any, fqn: str, module: nn.Module, param: str, key: str, tp_axis: str) -> ModuleLayout:
+    """A key that names parameter ``param`` of ``module`` (at ``fqn``): only that parameter is planned.
+
+    A style with ``lower_param`` decides itself (rule lists); any other style is lowered on the
+    owning module and only the parameter's spec is kept, without activation constraints (HF's
+    per-parameter rule). Example: ``{"experts.gate_up_proj": "packed_colwise"}``.
+    """
+    if callable(getattr(style, "lower_param", None)):
+        return style.lower_param(fqn, module, param, key, tp_axis)
+    whole = lower_style(style, fqn, module, key, tp_axis)
+    params = {param: whole.params[param]} if param in whole.params else {}
+    return ModuleLayout(fqn=fqn, source=key, style=whole.style, params=params)
+
+
+def _report_unused(unused: list[str], names: list[str], strict: bool) -> None:
+    if not unused:
+        return
+    lines = [f"{k!r} (did you mean {', '.join(map(repr, suggest(k, names))) or 'nothing close'}?)"
+             for k in unused]
+    msg = "plan keys match no module or parameter: " + "; ".join(lines)
+    if strict:
+        raise PlanError(msg + ". Fix the keys or pass strict=False to skip them")
+    warnings.warn(msg, stacklevel=4)
 
 
 def _param_specs(module: nn.Module, layouts: Mapping[str, ModuleLayout]) -> dict[str, Spec]:
