@@ -186,3 +186,13 @@ def test_llama_under_its_own_tp_plan_matches_cpu():
         out = model(ids.to(torch_xla.device())).logits
         torch_xla.sync()
         assert max_err(out, ref(ids).logits) < 1e-4
+
+
+def test_parallelize_with_the_models_own_plan_by_name():
+    model = _llama()
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    xla_tp.parallelize_xla(model, "hf", mesh=mesh)
+    q = model.model.layers[0].self_attn.q_proj.weight
+    assert sharding(q) == expected_sharding(tuple(q.shape), mesh, ("model", None))
+    o = model.model.layers[0].self_attn.o_proj.weight
+    assert sharding(o) == expected_sharding(tuple(o.shape), mesh, (None, "model"))

@@ -16,9 +16,14 @@ from .api import parallelize_module, parallelize_xla
 from .errors import MeshError, PlanError
 from .loss import loss_parallel
 from .mesh import make_mesh
+from .plan.hf import hf_plan
+from .plan.rules import load_rules, regex_plan
+from .plan.styles import ShardParams
+from .plan.unplanned import unplanned_parameters
 
 __all__ = [
     "ColwiseParallel", "MeshError", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
-    "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard",
-    "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
+    "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "ShardParams",
+    "hf_plan", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
+    "regex_plan", "unplanned_parameters",
 ]

@@ -20,6 +20,7 @@ from .constraints import install_constraints
 from .errors import PlanError
 from .inference import make_inference_safe
 from .mesh import MeshLike, canonical_axis, to_xs_mesh
+from .plan.hf import hf_plan
 from .plan.normalize import build_layout
 from .validate import validate
 
@@ -31,8 +32,9 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
                     strict: bool = True) -> nn.Module:
     """Shard ``module`` in place on the XLA device following ``plan``; return it.
 
-    ``plan`` is a dict FQN pattern -> style (torch ``ParallelStyle``), one style for the root,
-    or ``"auto"``. ``mesh`` is an ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global
+    ``plan`` is a dict FQN pattern -> style (torch ``ParallelStyle``, HF style string such as
+    ``"colwise"``, ``ShardParams``, rule-list entries), one style for the root, ``"auto"`` (the
+    rule-based planner) or ``"hf"`` (the Hugging Face model's own ``tp_plan``). ``mesh`` is an ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global
     mesh of ``make_mesh``). Example::
 
         model = parallelize_xla(model, {"layers.*.wq": ColwiseParallel(),
@@ -44,9 +46,12 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     xmesh = to_xs_mesh(mesh)
     axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     tp_axis = canonical_axis(tp_axis)
-    if isinstance(plan, str):
+    if plan == "hf":
+        plan = hf_plan(module)
+    elif isinstance(plan, str):
         if plan != "auto":
-            raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style or 'auto'")
+            raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "
+                            f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
         from .planners import plan_for
         plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
     layout = build_layout(module, plan, axes, tp_axis, strict)
@@ -54,6 +59,7 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     place_module(module, layout.params, xmesh, shard)
     install_constraints(module, layout, xmesh)
     make_inference_safe(module)
+    module._xla_tp_layout = layout
     return module
 
 
