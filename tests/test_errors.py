@@ -50,6 +50,8 @@ CASES = [
     (lambda: MLP(16, 32), {"fc1": Fancy()}, {}, PlanError, ["Fancy", "'fc1'"]),
     (lambda: MLP(16, 32), {"fc1": ColwiseParallel()}, {"backend": "jax"}, PlanError, ["'jax'"]),
     (lambda: MLP(16, 32), [("fc1", ColwiseParallel())], {}, PlanError, ["list"]),
+    (lambda: nn.Sequential(nn.Conv1d(4, 4, 3)), "auto", {}, PlanError, ["Sequential", "no planner"]),
+    (lambda: MLP(16, 32), "megatron", {}, PlanError, ["'megatron'", "'auto'"]),
     (lambda: MLP(16, 32), {"re:fc[": ColwiseParallel()}, {}, PlanError, ["'re:fc['", "regular expression"]),
     (lambda: MLP(16, 32), {"fc*": ColwiseParallel(), "re:fc.": RowwiseParallel(), "f?1": RowwiseParallel()}, {},
      PlanError, ["'fc1'", "'fc*'", "'f?1'"]),

@@ -20,10 +20,11 @@ from .plan.hf import hf_plan
 from .plan.rules import load_rules, regex_plan
 from .plan.styles import ShardParams
 from .plan.unplanned import unplanned_parameters
+from .planners import Plan, plan_for
 
 __all__ = [
-    "ColwiseParallel", "MeshError", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
+    "ColwiseParallel", "MeshError", "Plan", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
     "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "ShardParams",
     "hf_plan", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
-    "regex_plan", "unplanned_parameters",
+    "plan_for", "regex_plan", "unplanned_parameters",
 ]

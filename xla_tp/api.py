@@ -54,8 +54,13 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
         from .planners import plan_for
         plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
+        if not plan:
+            raise PlanError(f"plan='auto': no planner recognises {type(module).__name__} (families: "
+                            f"HF decoders, GPT-2, BERT/RoBERTa, torch transformer layers, torchtitan "
+                            f"Llama, Linear stacks); pass a plan dict instead")
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes)
+    getattr(plan, "prepare", lambda m: None)(module)  # a planner's Plan: XLA-friendly forwards
     place_module(module, layout.params, xmesh, shard)
     install_constraints(module, layout, xmesh)
     make_inference_safe(module)

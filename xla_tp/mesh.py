@@ -124,10 +124,6 @@ def to_xs_mesh(mesh: MeshLike) -> xs.Mesh:
     return xs.Mesh(ids.reshape(-1), shape, names)
 
 
-def axis_size(mesh: xs.Mesh, axis: str) -> int:
-    return int(mesh.mesh_shape[mesh.axis_names.index(axis)])
-
-
 def _default_names(ndim: int) -> tuple[str, ...]:
     if ndim == 1:
         return ("model",)

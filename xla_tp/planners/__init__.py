@@ -1,0 +1,47 @@
+"""Rule-based planners: ``plan_for(model, mesh)`` -> the ``Plan`` ``parallelize_xla(model, "auto")`` uses.
+
+One small file per family, each a table of (FQN suffix, role) plus a structural ``detect``; the
+first family whose structure matches wins (most specific first, plain Linear stacks last).
+Example::
+
+    plan = plan_for(model, mesh=xla_tp.make_mesh(data=2, model=4))
+    plan.family, plan.replicated          # 'hf_decoder', {'model.norm.weight': 'norm: ...', ...}
+    print(plan.explain(model, mesh))
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..errors import PlanError
+from ..mesh import canonical_axis, to_xs_mesh
+from . import bert, gpt2, hf_decoder, mlp, titan, torch_transformer
+from .plan import Plan
+from .table import build_plan
+
+FAMILIES = (torch_transformer, gpt2, bert, hf_decoder, titan, mlp)
+
+__all__ = ["FAMILIES", "Plan", "plan_for"]
+
+
+def axis_size(mesh: Any, tp_axis: str) -> int:
+    """Size of ``tp_axis`` in ``mesh`` (any mesh ``make_mesh``/``parallelize_xla`` accepts)."""
+    xmesh = to_xs_mesh(mesh)
+    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    axis = canonical_axis(tp_axis)
+    if axis not in sizes:
+        raise PlanError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: {list(sizes)})")
+    return sizes[axis]
+
+
+def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model") -> Plan:
+    """The plan ``"auto"`` would apply to ``model`` on ``mesh``: recognised by module structure.
+
+    Example: ``plan_for(LlamaForCausalLM(cfg), mesh=make_mesh(data=2, model=4)).family == "hf_decoder"``.
+    """
+    tp = axis_size(mesh, tp_axis)
+    for family in FAMILIES:
+        if family.detect(model):
+            return family.plan(model, tp)
+    return build_plan(model, (), tp, "none")

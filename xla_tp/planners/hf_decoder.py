@@ -1,0 +1,38 @@
+"""HF decoder LMs (Llama, Mistral, Qwen2/3, Gemma, Granite, Cohere, ...): Megatron layout.
+
+Recognised by ``self_attn.{q,k,v,o}_proj`` and ``mlp.down_proj`` Linears. q/k/v and gate/up are
+column-parallel (heads split), o/down row-parallel: one all-reduce after attention, one after the
+MLP. The token embedding is vocab-parallel (one all-reduce), ``lm_head`` column-parallel with
+vocab-sharded logits (loss-parallel friendly, no gather); tied weights get the same spec. Norms are
+replicated. Key/value heads fewer than the axis: k/v replicated. Example::
+
+    plan = plan(LlamaForCausalLM(cfg), tp=4)
+    plan["model.layers.*.self_attn.q_proj"]   # ColwiseParallel()
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .plan import Plan
+from .prepare import prepare_for_xla
+from .structure import config_heads, has
+from .table import build_plan
+
+FAMILY = "hf_decoder"
+TABLE = (
+    ("embed_tokens", "vocab"),
+    ("self_attn.q_proj", "col_heads"), ("self_attn.k_proj", "col_kv"),
+    ("self_attn.v_proj", "col_kv"), ("self_attn.o_proj", "row_heads"),
+    ("mlp.gate_proj", "col"), ("mlp.up_proj", "col"), ("mlp.down_proj", "row"),
+    ("lm_head", "head"),
+)
+
+
+def detect(model: nn.Module) -> bool:
+    """q/k/v/o projections and a down projection, all ``nn.Linear``."""
+    return all(has(model, s, nn.Linear) for s in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"))
+
+
+def plan(model: nn.Module, tp: int) -> Plan:
+    """The Megatron plan for an HF decoder LM on a model axis of size ``tp``."""
+    return build_plan(model, TABLE, tp, FAMILY, heads=config_heads(model), prepare=prepare_for_xla)
