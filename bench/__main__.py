@@ -1,0 +1,73 @@
+"""``python -m bench``: every model x mesh x route, written to bench/results/.
+
+The 1x4 mesh runs in a child process with 4 CPU devices (a torch_xla mesh spans all devices).
+Options: ``--quick`` (one model, one width, the 1x8 mesh only), ``--out DIR``.
+Example: ``python -m bench --quick --out /tmp/bench``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+os.environ.setdefault("PJRT_DEVICE", "CPU")
+os.environ.setdefault("CPU_NUM_DEVICES", "8")
+os.environ["XLA_DUMP_POST_OPTIMIZATIONS"] = "1"  # this is its own process: read partitioned HLO here
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+MESHES = {8: ({"model": 8}, {"data": 2, "model": 4}), 4: ({"model": 4},)}
+AUTO_SHARDING = ("not run: torch_xla's auto-sharding (xla_distribute_module with auto_policy / "
+                 "use_spmd(auto=True)) switches the whole process and is supported on TPU only")
+
+
+def run_meshes(families, widths, meshes) -> list[dict]:
+    import xla_tp
+    from .routes import NOT_RUN, ROUTES, run_route
+    rows = []
+    for axes in meshes:
+        mesh, cache = xla_tp.make_mesh(**axes), {}
+        for family in families:
+            for width in widths:
+                for route in [*ROUTES, *NOT_RUN]:
+                    rows.append(run_route(route, family, width, mesh, cache))
+                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    from .models import FAMILIES, WIDTHS
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    parser.add_argument("--quick", action="store_true", help="smallest config only")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    families = ("titan_llama",) if args.quick else FAMILIES[1:]
+    widths = WIDTHS[:1] if args.quick else WIDTHS
+    devices = int(os.environ["CPU_NUM_DEVICES"])
+    meshes = MESHES[devices][:1] if args.quick else MESHES[devices]
+    if args.child:
+        Path(args.child).write_text(json.dumps(run_meshes(families, widths, meshes)))
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = run_meshes(families, widths, meshes)
+    if not args.quick:
+        child = out / "mesh_1x4.json"
+        env = dict(os.environ, CPU_NUM_DEVICES="4")
+        subprocess.run([sys.executable, "-m", "bench", "--child", str(child)], env=env, check=True)
+        rows += json.loads(child.read_text())
+    from .planning import planning_times
+    from .render import render
+    extra = {"e_xla_auto_sharding": AUTO_SHARDING,
+             "planning, Llama-3-70B shape on meta": json.dumps(planning_times())}
+    (out / "routes.json").write_text(json.dumps({"rows": rows, **extra}, indent=1))
+    render(rows, out, extra)
+    print(f"wrote {out / 'routes.json'}, {out / 'latest.md'}, {out / 'compute_balance.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,130 @@
+"""Every way of applying one plan on XLA, measured the same way (``measure``).
+
+A route takes ``(cpu model, plan, mesh)`` and returns the model ready on the XLA device plus the
+layout that defines its communication minimum. Routes that cannot run return why. Example::
+
+    row = run_route("b_hand_mark_sharding", "llama", 64, mesh)
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+from torch.utils._pytree import tree_leaves
+
+import xla_tp
+from xla_tp.audit.run import unsharded_dot_flops, audit_here
+from xla_tp.plan.normalize import build_layout
+
+from .models import build
+from .plans import hand_apply, matches, to_torch_plan, weight_specs
+
+
+def _xla_tp(model, plan, mesh):
+    try:
+        from xla_tp.planners import plan_for
+        torch_plan, label = plan_for(model, mesh=mesh), "auto"
+    except ImportError:
+        torch_plan, label = to_torch_plan(plan, model), "known plan (planners not landed)"
+    model = xla_tp.parallelize_xla(model, torch_plan, mesh=mesh)
+    return model, model._xla_tp_layout, label
+
+
+def _hand(model, plan, mesh):
+    layout = _plan_layout(model, plan, mesh)
+    return hand_apply(model.to(torch_xla.device()), plan, mesh), layout, "mark_sharding per weight"
+
+
+def _distribute_module(model, plan, mesh):
+    layout, planned = _plan_layout(model, plan, mesh), matches(plan, model)
+
+    def partition_fn(name: str, module: torch.nn.Module, device_mesh: Any) -> None:
+        for pname, spec in weight_specs(module, planned.get(name, ""), "model").items():
+            xs.mark_sharding(getattr(module, pname), device_mesh, spec)
+
+    model = xs.xla_distribute_module(model.to(torch_xla.device()), mesh, partition_fn)
+    return model, layout, "xla_distribute_module + partition_fn"
+
+
+def _torch_parallelize_module(model, plan, mesh):
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import parallelize_module
+    ids = torch.tensor(mesh.device_ids).reshape(tuple(mesh.mesh_shape))
+    if _sizes(mesh).get("data", 1) * _sizes(mesh).get("fsdp", 1) == 1:
+        dm = DeviceMesh("xla", ids.flatten())  # 1-D: what torch's TP examples use
+    else:
+        dm = DeviceMesh("xla", ids, mesh_dim_names=tuple(mesh.axis_names))["model"]
+    layout = _plan_layout(model, plan, mesh)
+    return parallelize_module(model, dm, to_torch_plan(plan, model)), layout, "torch parallelize_module"
+
+
+def _replicated(model, plan, mesh):
+    return model.to(torch_xla.device()), build_layout(model, {}, _sizes(mesh), "model"), "no TP"
+
+
+def _plan_layout(model, plan, mesh):
+    return build_layout(model, to_torch_plan(plan, model), _sizes(mesh), "model", strict=False)
+
+
+def mesh_name(mesh) -> str:
+    """``"2x4"`` for data=2, model=4 (axes of size 1 left out, model last)."""
+    sizes = _sizes(mesh)
+    return f"{sizes.get('data', 1) * sizes.get('fsdp', 1)}x{sizes.get('model', 1)}"
+
+
+def _sizes(mesh) -> dict[str, int]:
+    return {str(n): int(s) for n, s in zip(mesh.axis_names, mesh.mesh_shape)}
+
+
+ROUTES: dict[str, Callable] = {
+    "a_xla_tp": _xla_tp,
+    "b_hand_mark_sharding": _hand,
+    "c_xla_distribute_module": _distribute_module,
+    "d_torch_parallelize_module": _torch_parallelize_module,
+    "g_replicated": _replicated,
+}
+NOT_RUN = {
+    "f_jax_torchax": "not available: the JAX issue has not landed",
+}
+
+
+def trace_time(model, tokens) -> float:
+    """Seconds to trace one forward+backward (the host work every step repeats); nothing runs."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    start = time.perf_counter()
+    out = [t for t in tree_leaves(model(tokens)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    loss = out[0].float().mean()
+    torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
+    return time.perf_counter() - start
+
+
+def run_route(route: str, family: str, width: int, mesh, unsharded: dict) -> dict[str, Any]:
+    """One row: the route's forward audit, compile and trace times, or the error it hit.
+
+    ``unsharded`` caches the unsharded FLOPs per model, so each route compiles once.
+    """
+    row: dict[str, Any] = {"route": route, "family": family, "width": width,
+                           "mesh": mesh_name(mesh)}
+    if route in NOT_RUN:
+        return {**row, "status": NOT_RUN[route]}
+    model, tokens, plan = build(family, width)
+    try:
+        model, layout, row["how"] = ROUTES[route](model, plan, mesh)
+        x = tokens.to(torch_xla.device())
+        if _sizes(mesh).get("data", 1) > 1:
+            xs.mark_sharding(x, mesh, ("data", None))
+        key = (family, width)
+        if key not in unsharded:
+            unsharded[key] = unsharded_dot_flops(model, (x,), False)
+        start = time.perf_counter()
+        report = audit_here(model, (x,), mesh, False, layout, unsharded[key])
+        row["compile_s"] = time.perf_counter() - start  # trace + compile of the forward
+        row["trace_s"] = trace_time(model, x)
+    except Exception as error:  # a route failing is a result, recorded as such
+        return {**row, "status": f"fails: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    data = report.to_dict()
+    return {**row, "status": "ok", "all_gathers": report.count("all-gather"),
+            **{k: data[k] for k in ("comm_ratio", "compute_balance", "param_memory_ratio", "collectives")}}

@@ -1,0 +1,175 @@
+"""The communication a plan's own layouts imply, measured on real activation shapes.
+
+Rules (tensor-parallel axis only; nothing else is "needed"): at every point where a layout
+changes, Partial -> Replicate is one all-reduce of that activation, Partial -> Shard one
+reduce-scatter, Shard -> Replicate one all-gather, Shard(a) -> Shard(b) one all-to-all. A Linear
+or Embedding sharded on its contraction dimension emits Partial, one sharded on its output
+features emits Shard(-1). With ``backward=True`` each forward step gets its conjugate
+(all-gather <-> reduce-scatter, all-reduce -> none), each distinct input of a colwise layer that
+needs a gradient gets one all-reduce, and each parameter gradient one all-reduce over the data axis.
+
+Example::
+
+    with ActivationRecorder(model, layout) as rec:
+        out = model(x)
+    expected = minimum_collectives(rec, layout, mesh_sizes, backward=False)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
+
+from ..plan.layout import Chain, Layout, ModuleLayout
+
+
+@dataclass(frozen=True)
+class Expected:
+    """One collective the plan needs: ``elements`` per device of an activation of ``dtype``."""
+
+    kind: str
+    elements: int
+    dtype: torch.dtype
+    where: str
+
+
+@dataclass
+class _Call:
+    fqn: str
+    args: tuple  # original inputs (before the layout's constraints)
+    outputs: tuple
+    constrained: tuple = ()  # the inputs after the layout's constraints
+
+
+class ActivationRecorder:
+    """Temporary hooks on the planned modules recording each call's inputs and outputs."""
+
+    def __init__(self, root: nn.Module, layout: Layout):
+        self.root, self.layout = root, layout
+        self.calls: list[_Call] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "ActivationRecorder":
+        for fqn in self.layout.modules:
+            mod = self.root.get_submodule(fqn) if fqn else self.root
+            self._handles.append(mod.register_forward_pre_hook(self._pre(fqn), prepend=True))
+            self._handles.append(mod.register_forward_pre_hook(self._constrained()))
+            self._handles.append(mod.register_forward_hook(self._post()))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre(self, fqn: str):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.calls.append(_Call(fqn, tuple(args), ()))
+        return hook
+
+    def _constrained(self):
+        def hook(module: nn.Module, args: tuple) -> None:
+            self.calls[_last_open(self.calls)].constrained = tuple(args)
+        return hook
+
+    def _post(self):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            outs = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+            self.calls[_last_open(self.calls)].outputs = outs
+        return hook
+
+
+def _last_open(calls: list[_Call]) -> int:
+    return max(i for i, c in enumerate(calls) if not c.outputs)
+
+
+def _natural_output(module: nn.Module, ml: ModuleLayout, tp_axis: str) -> Optional[Placement]:
+    """What a sharded Linear/Embedding emits before any output constraint (None: not such a layer)."""
+    spec = ml.params.get("weight")
+    if spec is None or tp_axis not in spec or not isinstance(module, (nn.Linear, nn.Embedding)):
+        return None
+    contraction = 1 if isinstance(module, nn.Linear) else 0
+    return Partial() if spec[contraction] == tp_axis else Shard(-1)
+
+
+def _step_kind(src: Placement, dst: Placement, ndim: int) -> Optional[str]:
+    if isinstance(src, Partial):
+        return "all-reduce" if isinstance(dst, Replicate) else "reduce-scatter"
+    if isinstance(src, Shard) and isinstance(dst, Replicate):
+        return "all-gather"
+    if isinstance(src, Shard) and isinstance(dst, Shard) and src.dim % ndim != dst.dim % ndim:
+        return "all-to-all"
+    return None
+
+
+CONJUGATE = {"all-gather": "reduce-scatter", "reduce-scatter": "all-gather", "all-to-all": "all-to-all"}
+
+
+def _steps(chain: Chain, start: Optional[Placement]) -> list[tuple[Placement, Placement]]:
+    placements = [p for p in chain if not isinstance(p, tuple)]
+    if start is not None:
+        placements.insert(0, start)
+    return list(zip(placements, placements[1:]))
+
+
+class _Counter:
+    """Turns placement steps on concrete tensors into ``Expected`` entries."""
+
+    def __init__(self, layout: Layout, sizes: Mapping[str, int], backward: bool):
+        self.tp = sizes.get(layout.tp_axis, 1)
+        self.batch = math.prod(sizes.get(a, 1) for a in layout.batch_axes)
+        self.backward = backward
+        self.found: list[Expected] = []
+        self.gathered: set[int] = set()
+
+    def elements(self, t: torch.Tensor, kind: str) -> int:
+        n = t.numel() // (self.batch if t.dim() and t.shape[0] % self.batch == 0 else 1)
+        return n // self.tp if kind in ("reduce-scatter", "all-to-all") else n
+
+    def add(self, kind: str, t: torch.Tensor, where: str) -> None:
+        self.found.append(Expected(kind, self.elements(t, kind), t.dtype, where))
+
+    def chain(self, t: Any, chain: Chain, start: Optional[Placement], where: str) -> bool:
+        """Count one tensor's steps; True when one of them is a forward all-gather."""
+        if not isinstance(t, torch.Tensor) or t.dim() == 0 or self.tp == 1:
+            return False
+        gathered = False
+        for src, dst in _steps(chain, start):
+            kind = _step_kind(src, dst, t.dim())
+            if kind is None:
+                continue
+            gathered |= kind == "all-gather"
+            self.add(kind, t, where)
+            if self.backward and kind in CONJUGATE and t.requires_grad:
+                self.add(CONJUGATE[kind], t, where + " (grad)")
+        return gathered
+
+
+def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
+                        sizes: Mapping[str, int], backward: bool = False) -> list[Expected]:
+    """Every collective the layouts imply for the recorded calls, in call order."""
+    count = _Counter(layout, sizes, backward)
+    grad_reduced: set[int] = set()
+    for call in calls:
+        ml = layout.modules[call.fqn]
+        mod = root.get_submodule(call.fqn) if call.fqn else root
+        for i, arg in enumerate(call.args):
+            chain = ml.inputs[i] if i < len(ml.inputs) else ()
+            if count.chain(arg, chain, None, f"{call.fqn} input {i}") and i < len(call.constrained):
+                count.gathered.add(id(call.constrained[i]))
+        natural = _natural_output(mod, ml, layout.tp_axis)
+        for i, out in enumerate(call.outputs):
+            chain = ml.outputs[i] if i < len(ml.outputs) else ()
+            count.chain(out, chain or ((Replicate(),) if isinstance(natural, Partial) else ()),
+                        natural if i == 0 else None, f"{call.fqn} output {i}")
+        if backward and isinstance(natural, Shard) and isinstance(mod, nn.Linear):
+            x = call.args[0] if call.args else None
+            seen = grad_reduced | count.gathered
+            if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in seen:
+                grad_reduced.add(id(x))
+                count.add("all-reduce", x, f"{call.fqn} input grad")
+    return count.found

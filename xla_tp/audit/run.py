@@ -1,0 +1,204 @@
+"""``audit``: compile a module (or function) as it is sharded now, read the partitioned program.
+
+Nothing is executed and nothing in the process changes: the module runs through
+``torch.func.functional_call`` with cloned buffers (in-place buffer updates land on the clones),
+gradients come from ``torch.autograd.grad`` (no ``.grad`` is written), the XLA RNG seed is put
+back, temporary hooks are removed, and the captured tensors are dropped uncomputed.
+
+Reading post-partition HLO needs ``XLA_DUMP_POST_OPTIMIZATIONS=1`` from the process's first HLO
+query on (FACTS.md). When it is not set, ``audit`` does not set it (that would change what every
+later HLO dump of the user's process returns): it replays the module in a fresh CPU process with
+the same device count (``xla_tp.audit.child``). Example::
+
+    report = audit(model, tokens, mesh=mesh, backward=True)
+    assert report.count("all-gather") == 0
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections import Counter
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+import torch
+import torch_xla.core.xla_model as xm
+from torch import nn
+from torch.func import functional_call
+from torch.utils._pytree import tree_leaves
+
+from ..mesh import MeshLike, to_xs_mesh
+from ..plan.layout import Layout
+from .hlo import capture_partitioned_hlo, dot_flops, mesh_axes_of_groups, parse_collectives
+from .minimum import ActivationRecorder, Expected, minimum_collectives
+from .params import local_numel, param_bytes, sharding_string
+from .report import AuditReport
+
+Target = Union[nn.Module, Callable[..., Any]]
+
+
+def post_optimization_hlo_enabled() -> bool:
+    """True when this process's HLO queries return partitioned HLO (the variable is set)."""
+    return os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true")
+
+
+def audit(module_or_fn: Target, *example_args: Any, mesh: MeshLike = None, backward: bool = False,
+          plan_layout: Optional[Layout] = None) -> AuditReport:
+    """Audit the compiled, partitioned program of ``module_or_fn(*example_args)``.
+
+    ``plan_layout`` (default: the layout ``parallelize_xla`` recorded on the module) defines the
+    communication minimum. Example::
+
+        model = xla_tp.parallelize_xla(model, plan, mesh=mesh)
+        print(xla_tp.audit(model, x, mesh=mesh))
+    """
+    xmesh = to_xs_mesh(mesh)
+    if not post_optimization_hlo_enabled():
+        from .child import audit_in_subprocess
+        return audit_in_subprocess(module_or_fn, example_args, xmesh, backward, plan_layout)
+    return audit_here(module_or_fn, example_args, xmesh, backward, plan_layout)
+
+
+def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
+               plan_layout: Optional[Layout], unsharded_flops: Optional[int] = None) -> AuditReport:
+    """The in-process audit; needs ``XLA_DUMP_POST_OPTIMIZATIONS=1`` since start-up.
+
+    ``unsharded_flops``, when the caller knows it, saves compiling the unsharded program.
+    """
+    sizes = {str(n): int(s) for n, s in zip(xmesh.axis_names, xmesh.mesh_shape)}
+    module = target if isinstance(target, nn.Module) else None
+    layout = plan_layout or getattr(module, "_xla_tp_layout", None)
+    seed = xm.get_rng_state()
+    try:
+        text, calls = _trace(target, args, backward, layout)
+        unsharded = unsharded_flops
+        if unsharded is None and module is not None:
+            unsharded = unsharded_dot_flops(module, args, backward)
+    finally:
+        xm.set_rng_state(seed)
+    found = parse_collectives(text)
+    ids = np.asarray(xmesh.device_ids).reshape(tuple(xmesh.mesh_shape))
+    names = tuple(str(n) for n in xmesh.axis_names)
+    collectives: dict[str, dict] = {}
+    for c in found:
+        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "axes": []})
+        entry["count"] += 1
+        entry["bytes"] += c.bytes
+        axes = "+".join(mesh_axes_of_groups(c.replica_groups, ids, names)) or "-"
+        if axes not in entry["axes"]:
+            entry["axes"].append(axes)
+    report = AuditReport(mesh=sizes, backward=backward, collectives=collectives,
+                         comm_bytes=sum(c.bytes for c in found), flops_per_device=dot_flops(text),
+                         unsharded_flops=unsharded)
+    if module is not None:
+        report.param_bytes_per_device, report.param_bytes_total = param_bytes(module)
+    else:
+        report.notes.append("a function, not a module: no parameter bytes or compute balance")
+    if layout is not None and module is not None:
+        _set_minimum(report, calls, module, layout, found)
+    else:
+        report.notes.append("no plan layout: the communication minimum is unknown")
+    return report
+
+
+def _trace(target: Target, args: tuple, backward: bool, layout: Optional[Layout]):
+    """Trace forward (and backward) lazily; return the partitioned HLO and the recorded calls."""
+    module = target if isinstance(target, nn.Module) else None
+    if module is None or layout is None:
+        return capture_partitioned_hlo(_outputs(target, args, backward, None)), []
+    with ActivationRecorder(module, layout) as recorder:
+        tensors = _outputs(module, args, backward, dict(module.named_parameters()))
+    return capture_partitioned_hlo(tensors), recorder.calls
+
+
+def _outputs(target: Target, args: tuple, backward: bool,
+             params: Optional[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+    """Forward outputs, plus with ``backward`` the gradients of their sum w.r.t. ``params``."""
+    if isinstance(target, nn.Module):
+        buffers = {n: b.clone() for n, b in target.named_buffers()}
+        out = functional_call(target, {**(params or {}), **buffers}, args)
+    else:
+        out = target(*args)
+    leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+    if not backward:
+        return leaves
+    wrt = [p for p in (params or {}).values() if p.requires_grad]
+    wrt += [a for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    loss = sum(t.float().sum() for t in leaves if t.requires_grad)
+    if not wrt or not isinstance(loss, torch.Tensor):
+        raise ValueError("audit(backward=True): nothing requires a gradient")
+    return leaves + list(torch.autograd.grad(loss, wrt, allow_unused=True, materialize_grads=True))
+
+
+def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
+    """Dot FLOPs of the same computation with no sharding anywhere (fresh unannotated inputs).
+
+    xla_tp's constraint hooks are suspended while it traces; values do not matter for FLOPs.
+    """
+    device = next((p.device for p in module.parameters()), torch.device("xla"))
+    params = {n: torch.randn(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+              if p.is_floating_point() else p.detach().cpu().to(device)
+              for n, p in module.named_parameters()}
+    plain = tuple(a.detach().cpu().to(device).requires_grad_(a.requires_grad)
+                  if isinstance(a, torch.Tensor) else a for a in args)
+    with _suspended_hooks(module):
+        return dot_flops(capture_partitioned_hlo(_outputs(module, plain, backward, params)))
+
+
+class _suspended_hooks:
+    """Context manager: take xla_tp's activation hooks off ``module`` and put them back."""
+
+    def __init__(self, module: nn.Module):
+        self.handles = getattr(module, "_xla_tp_hooks", [])
+        self.saved: list[tuple[dict, int, Any]] = []
+
+    def __enter__(self) -> None:
+        for handle in self.handles:
+            hooks = handle.hooks_dict_ref()
+            if hooks is not None and handle.id in hooks:
+                self.saved.append((hooks, handle.id, hooks.pop(handle.id)))
+
+    def __exit__(self, *exc: Any) -> None:
+        for hooks, key, hook in self.saved:
+            hooks[key] = hook
+        # dict order is call order: restore the original order of every touched dict
+        for hooks in {id(h): h for h, _, _ in self.saved}.values():
+            for key in sorted(hooks):
+                hooks[key] = hooks.pop(key)
+
+
+def _set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout,
+                 found: list) -> None:
+    expected = minimum_collectives(calls, module, layout, report.mesh, report.backward)
+    if report.backward:
+        expected += _data_grad_allreduces(module, layout, report.mesh)
+    if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
+        tp = report.mesh.get(layout.tp_axis, 1)
+        expected = [Expected("all-reduce", e.elements * tp, e.dtype, e.where)
+                    if e.kind == "reduce-scatter" else e for e in expected]
+        report.notes.append("no reduce-scatter in the program (the CPU compiler emits all-reduce + "
+                            "dynamic-slice): plan reduce-scatters counted as all-reduces")
+    itemsize = _hlo_float_itemsize(found)
+    summary: dict[str, dict] = {}
+    for e in expected:
+        size = itemsize if (itemsize and e.dtype.is_floating_point) else e.dtype.itemsize
+        entry = summary.setdefault(e.kind, {"count": 0, "bytes": 0})
+        entry["count"] += 1
+        entry["bytes"] += e.elements * size
+    report.expected = summary
+    report.comm_minimum_bytes = sum(v["bytes"] for v in summary.values())
+
+
+def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int]) -> list[Expected]:
+    """With a data axis, one all-reduce per parameter gradient (its local size)."""
+    if math.prod(sizes.get(a, 1) for a in layout.batch_axes) == 1:
+        return []
+    return [Expected("all-reduce", local_numel(tuple(p.shape), sharding_string(p)), p.dtype, name + " grad")
+            for name, p in module.named_parameters() if p.requires_grad]
+
+
+def _hlo_float_itemsize(found: list) -> Optional[int]:
+    """Bytes per element of the float type most collectives use (CPU runs bf16 ones in f32)."""
+    sizes = Counter({"f64": 8, "f32": 4, "bf16": 2, "f16": 2}.get(c.dtype) for c in found)
+    sizes.pop(None, None)
+    return sizes.most_common(1)[0][0] if sizes else None
