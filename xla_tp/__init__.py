@@ -13,6 +13,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from .api import parallelize_module, parallelize_xla
+from .audit import AuditReport
+from .audit.run import audit  # the function shadows the subpackage name on purpose: xla_tp.audit(...)
 from .errors import MeshError, PlanError
 from .loss import loss_parallel
 from .mesh import make_mesh
@@ -23,8 +25,8 @@ from .plan.unplanned import unplanned_parameters
 from .planners import Plan, plan_for
 
 __all__ = [
-    "ColwiseParallel", "MeshError", "Plan", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
+    "AuditReport", "ColwiseParallel", "MeshError", "Plan", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
     "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "ShardParams",
-    "hf_plan", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
+    "audit", "hf_plan", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
     "plan_for", "regex_plan", "unplanned_parameters",
 ]

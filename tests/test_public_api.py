@@ -1,0 +1,29 @@
+"""The public names DESIGN.md promises are importable from xla_tp itself."""
+import torch
+
+import xla_tp
+import xla_tp.audit.hlo  # importing a submodule must not turn xla_tp.audit back into the package
+
+
+def test_design_names_exist():
+    for name in ("make_mesh", "parallelize_xla", "parallelize_module", "plan_for", "audit", "AuditReport",
+                 "PlanError", "MeshError", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+                 "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"):
+        assert hasattr(xla_tp, name), name
+    assert issubclass(xla_tp.PlanError, ValueError) and issubclass(xla_tp.MeshError, ValueError)
+
+
+def test_audit_is_the_function():
+    assert callable(xla_tp.audit) and xla_tp.audit.__name__ == "audit"
+
+
+def test_auto_end_to_end_through_the_top_level_names():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    mesh = xla_tp.make_mesh(model=8)
+    plan = xla_tp.plan_for(model, mesh=mesh)
+    assert len(plan) == 2
+    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    report = xla_tp.audit(model, torch.randn(8, 16, device=model[0].weight.device), mesh=mesh)
+    assert report.count("all-reduce") == 1 and report.count("all-gather") == 0
+    assert list(report.collectives["all-reduce"]["axes"]) == ["model"]
