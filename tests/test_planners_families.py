@@ -19,13 +19,8 @@ from .helpers import collective_counts, max_err
 
 DECODERS = ["llama", "mistral", "qwen2", "qwen3", "gemma", "titan_llama"]
 IDEAL = {"all-reduce": 2 * LAYERS + 2}
-# Families that cannot reach the Megatron minimum yet: measured counts, and why.
-MEASURED = {
-    # nn.MultiheadAttention folds heads into the batch ([B*H, S, D]) before bmm/SDPA, which hides
-    # the head sharding of in_proj from GSPMD (FACTS.md: the same cause as HF eager attention).
-    "torch_encoder": {"all-reduce": 4, "all-gather": 3},
-    "torch_mha": {"all-reduce": 1, "all-gather": 1},
-}
+# Families that cannot reach the Megatron minimum yet: measured counts, and why (none today).
+MEASURED: dict[str, dict[str, int]] = {}
 
 
 def _run(name: str, model, dev=None):

@@ -60,7 +60,15 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
                             f"Llama, Linear stacks); pass a plan dict instead")
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes)
-    getattr(plan, "prepare", lambda m: None)(module)  # a planner's Plan: XLA-friendly forwards
+    # A planner's Plan may re-lay packed weights head-aligned (state_dict shapes unchanged) and swap
+    # in XLA-friendly forwards. Both run only once the plan has validated on the model as it was;
+    # the layout is then rebuilt for the re-laid parameters.
+    relayout = getattr(plan, "relayout", None)
+    if relayout is not None:
+        relayout(module)
+        layout = build_layout(module, plan, axes, tp_axis, strict)
+        validate(module, layout, axes)
+    getattr(plan, "prepare", lambda m: None)(module)
     place_module(module, layout.params, xmesh, shard)
     install_constraints(module, layout, xmesh)
     make_inference_safe(module)

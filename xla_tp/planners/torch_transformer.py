@@ -1,10 +1,10 @@
-"""torch's ``nn.MultiheadAttention`` and ``nn.Transformer{Encoder,Decoder}Layer``.
+"""torch's ``nn.MultiheadAttention`` and ``nn.Transformer{Encoder,Decoder}Layer``: Megatron layout.
 
-Recognised by ``nn.MultiheadAttention`` modules (packed ``in_proj_weight [3E, E]``). The packed
-projection is split on dim 0 and ``out_proj`` on dim 1; the feed-forward ``linear1``/``linear2``
-pair is Megatron-split. torch's MHA forward folds heads into the batch (``[B*H, S, D]``) before
-its matmuls, which hides the head sharding from GSPMD, so this plan saves memory but the compiled
-attention still communicates (the tests state the measured counts). Example::
+Recognised by ``nn.MultiheadAttention`` modules (packed ``in_proj_weight [3E, E]``). Each packable
+attention (self or cross) is re-laid head-aligned (``xla_tp.planners.mha``: ``in_proj_weight``
+viewed ``[3, E, E]`` and sharded on its heads, einsum forward, ``out_proj`` split on its input
+dimension) so it needs one all-reduce; the feed-forward ``linear1``/``linear2`` pair is
+Megatron-split. ``state_dict()`` keeps the original ``[3E, E]`` shapes. Example::
 
     plan = plan(nn.TransformerEncoderLayer(64, 8), tp=4)
     sorted(plan)    # ['linear1', 'linear2', 'self_attn']
@@ -13,11 +13,20 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..plan.styles import ShardParams
+from .mha import pack_mha, packable
+from .packed import PackedStyle, attach_relayout
 from .plan import Plan
 from .prepare import prepare_for_xla
-from .table import build_plan
+from .table import ROLES, Role, build_plan
 
 FAMILY = "torch_transformer"
+OUT_PROJ = {"out_proj.weight": (None, "tp"), "out_proj.bias": (None,)}
+ROLES["mha_packed"] = Role(PackedStyle(
+    ShardParams({"in_proj_weight": (None, "tp", None), "in_proj_bias": (None, "tp"), **OUT_PROJ}),
+    ShardParams({"in_proj_weight": ("tp", None), "in_proj_bias": ("tp",), **OUT_PROJ})),
+    (("out_proj.weight", 1),), heads="q")
+EXTRAS = "nn.MultiheadAttention with add_bias_kv/add_zero_attn or kdim/vdim != embed_dim: no rule shards it"
 
 
 def detect(model: nn.Module) -> bool:
@@ -26,8 +35,11 @@ def detect(model: nn.Module) -> bool:
 
 
 def plan(model: nn.Module, tp: int) -> Plan:
-    """Packed attention split by heads, feed-forward Megatron-split."""
+    """Packed attention re-laid and split by heads, feed-forward Megatron-split."""
     mha = [(f, m) for f, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
-    table = [(f, "mha") for f, _ in mha] + [("linear1", "col"), ("linear2", "row")]
+    table = [(f, "mha_packed") for f, m in mha if packable(m)] + [("linear1", "col"), ("linear2", "row")]
+    skipped = [(f, EXTRAS) for f, m in mha if not packable(m)]
     heads = mha[0][1].num_heads
-    return build_plan(model, table, tp, FAMILY, heads=(heads, heads), prepare=prepare_for_xla)
+    built = build_plan(model, table, tp, FAMILY, heads=(heads, heads), replicate=skipped,
+                       prepare=prepare_for_xla)
+    return attach_relayout(built, pack_mha)
