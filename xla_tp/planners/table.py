@@ -38,8 +38,6 @@ CONV_COL = ShardParams({"weight": (None, "tp"), "bias": ("tp",)}, inputs=((Repli
                        outputs=((Shard(-1),),))
 CONV_ROW = ShardParams({"weight": ("tp", None), "bias": (None,)}, inputs=((Shard(-1),),),
                        outputs=((Replicate(),),))
-MHA = ShardParams({"in_proj_weight": ("tp", None), "in_proj_bias": ("tp",),
-                   "out_proj.weight": (None, "tp"), "out_proj.bias": (None,)})
 
 ROLES: dict[str, Role] = {
     "col": Role(ColwiseParallel(), (("weight", 0),)),
@@ -51,7 +49,6 @@ ROLES: dict[str, Role] = {
     "head": Role(ColwiseParallel(output_layouts=Shard(-1), use_local_output=False), (("weight", 0),)),
     "conv_col": Role(CONV_COL, (("weight", 1),)),
     "conv_row": Role(CONV_ROW, (("weight", 0),)),
-    "mha": Role(MHA, (("in_proj_weight", 0),), heads="q"),
 }
 
 
