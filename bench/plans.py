@@ -4,41 +4,27 @@
 HF-style plan ({pattern: "colwise" | "rowwise" | ...}). ``to_torch_plan`` turns the same plan into
 torch styles for xla_tp / ``parallelize_module``. Example::
 
-    plan = hf_plan(model)                     # {"model.layers.*.self_attn.q_proj": "colwise", ...}
+    plan = xla_tp.plan.hf.hf_plan(model)      # {"model.layers.*.self_attn.q_proj": "colwise", ...}
     hand_apply(model.to(xla), plan, mesh)
 """
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 from torch.distributed.tensor.placement_types import Replicate
 
+from xla_tp.plan.match import match_keys
+
 COLWISE = {"colwise", "colwise_rep", "colwise_gather_output", "packed_colwise"}
 ROWWISE = {"rowwise", "rowwise_rep", "rowwise_split_input", "packed_rowwise", "embedding_rowwise"}
 
 
-def hf_plan(model: nn.Module) -> dict[str, str]:
-    """The HF model's own tp_plan with full FQN keys (base model plan under its prefix, plus ``_tp_plan``)."""
-    plan = dict(getattr(model, "_tp_plan", None) or {})
-    base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
-    prefix = getattr(model, "base_model_prefix", "")
-    nested = prefix and hasattr(model, prefix) and getattr(model, prefix) is not model
-    plan.update({(f"{prefix}.{k}" if nested else k): v for k, v in base.items()})
-    return plan
-
-
 def matches(plan: dict[str, Any], model: nn.Module) -> dict[str, Any]:
-    """Module FQN -> plan value (per-segment fnmatch, like torch); first matching key wins."""
-    found = {}
-    for fqn, _ in model.named_modules():
-        for key, value in plan.items():
-            parts, pat = fqn.split("."), key.split(".")
-            if len(parts) == len(pat) and all(fnmatch.fnmatch(a, b) for a, b in zip(parts, pat)):
-                found.setdefault(fqn, value)
-    return found
+    """Module FQN -> plan value, matched by xla_tp's rules (``xla_tp.plan.match``: torch's per-segment fnmatch)."""
+    found, _ = match_keys(plan, [fqn for fqn, _ in model.named_modules()])
+    return {fqn: plan[key] for fqn, key in found.items()}
 
 
 def weight_specs(module: nn.Module, style: str, axis: str = "model") -> dict[str, tuple]:

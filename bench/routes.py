@@ -3,7 +3,7 @@
 A route takes ``(cpu model, plan, mesh)`` and returns the model ready on the XLA device plus the
 layout that defines its communication minimum. Routes that cannot run return why. Example::
 
-    row = run_route("b_hand_mark_sharding", "llama", 64, mesh)
+    row = run_route("b_hand_mark_sharding", "llama", "tiny", mesh, {})
 """
 from __future__ import annotations
 
@@ -13,24 +13,20 @@ from typing import Any, Callable
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
-from torch.utils._pytree import tree_leaves
 
 import xla_tp
 from xla_tp.audit.run import unsharded_dot_flops, audit_here
 from xla_tp.plan.normalize import build_layout
+from xla_tp.planners import plan_for
+from xla_tp.zoo import registry
 
 from .models import build
 from .plans import hand_apply, matches, to_torch_plan, weight_specs
 
 
 def _xla_tp(model, plan, mesh):
-    try:
-        from xla_tp.planners import plan_for
-        torch_plan, label = plan_for(model, mesh=mesh), "auto"
-    except ImportError:
-        torch_plan, label = to_torch_plan(plan, model), "known plan (planners not landed)"
-    model = xla_tp.parallelize_xla(model, torch_plan, mesh=mesh)
-    return model, model._xla_tp_layout, label
+    model = xla_tp.parallelize_xla(model, plan_for(model, mesh=mesh), mesh=mesh)
+    return model, model._xla_tp_layout, "auto"
 
 
 def _hand(model, plan, mesh):
@@ -91,31 +87,30 @@ NOT_RUN = {
 }
 
 
-def trace_time(model, tokens) -> float:
+def trace_time(model, batch) -> float:
     """Seconds to trace one forward+backward (the host work every step repeats); nothing runs."""
     params = [p for p in model.parameters() if p.requires_grad]
     start = time.perf_counter()
-    out = [t for t in tree_leaves(model(tokens)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    loss = out[0].float().mean()
+    loss = registry.run(model, batch).float().mean()
     torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
     return time.perf_counter() - start
 
 
-def run_route(route: str, family: str, width: int, mesh, unsharded: dict) -> dict[str, Any]:
+def run_route(route: str, family: str, width: str, mesh, unsharded: dict) -> dict[str, Any]:
     """One row: the route's forward audit, compile and trace times, or the error it hit.
 
     ``unsharded`` caches the unsharded FLOPs per model, so each route compiles once.
     """
-    row: dict[str, Any] = {"route": route, "family": family, "width": width,
+    row: dict[str, Any] = {"route": route, "family": family, "width": registry.WIDTHS[width],
                            "mesh": mesh_name(mesh)}
     if route in NOT_RUN:
         return {**row, "status": NOT_RUN[route]}
-    model, tokens, plan = build(family, width)
+    model, batch, plan = build(family, width)
     try:
         model, layout, row["how"] = ROUTES[route](model, plan, mesh)
-        x = tokens.to(torch_xla.device())
+        x = batch.to(torch_xla.device())
         if _sizes(mesh).get("data", 1) > 1:
-            xs.mark_sharding(x, mesh, ("data", None))
+            xs.mark_sharding(x, mesh, ("data",) + (None,) * (x.dim() - 1))
         key = (family, width)
         if key not in unsharded:
             unsharded[key] = unsharded_dot_flops(model, (x,), False)

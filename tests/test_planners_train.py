@@ -7,14 +7,13 @@ import torch.nn.functional as F
 import torch_xla
 
 import xla_tp
-from xla_tp.zoo.registry import VOCAB, build
+from xla_tp.zoo.registry import VOCAB, build, run
 
 from .helpers import collective_counts, max_err
 
 
 def _loss(model, tokens):
-    out = model(tokens, use_cache=False) if hasattr(model, "config") else model(tokens)
-    logits = getattr(out, "logits", out)
+    logits = run(model, tokens)
     return logits, F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 

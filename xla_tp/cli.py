@@ -3,8 +3,8 @@
     xla-tp audit llama --mesh data=2,model=4 [--backward] [--json]
     xla-tp plan llama --mesh model=4
 
-A model is a name from ``xla_tp.zoo.registry`` (falls back to the built-in torchtitan-style
-Llama, "llama", while the registry is not there) or a path to an HF ``config.json``. The CLI is
+A model is a name from ``xla_tp.zoo.registry`` (built with ``registry.build``, run on
+``registry.example_input``) or a path to an HF ``config.json``; the plan is ``plan_for``'s. The CLI is
 its own process, so it sets ``XLA_DUMP_POST_OPTIMIZATIONS=1`` (and, on CPU, as many devices as the
 mesh needs) before torch_xla starts: the audit runs in-process, no subprocess needed.
 """
@@ -36,64 +36,47 @@ def _prepare_env(axes: dict[str, int]) -> None:
         os.environ.setdefault("CPU_NUM_DEVICES", str(math.prod(axes.values())))
 
 
-def load_model(name: str, batch: int, seq: int) -> tuple[Any, Any, Optional[dict]]:
-    """(CPU model, example tokens, known plan or None) for a registry name or an HF config path."""
-    import torch
+def load_model(name: str, batch: int, seq: int) -> tuple[Any, Any]:
+    """(CPU model, example batch) for a registry name or a path to an HF ``config.json``.
+
+    ``load_model("llama", 4, 16)[1].shape == (4, 16)``; an unknown name exits listing the known ones.
+    """
+    from .zoo import registry
     if os.path.exists(name):
-        import transformers
-        config = transformers.AutoConfig.from_pretrained(name)
-        model = transformers.AutoModelForCausalLM.from_config(config)
-        return model, torch.randint(0, config.vocab_size, (batch, seq)), None
-    try:
-        from .zoo import registry  # being written: build(name) -> model or (model, inputs)
-    except ImportError:
-        registry = None
-    if registry is not None and hasattr(registry, "build"):
-        built = registry.build(name)
-        return (*built, None) if isinstance(built, tuple) else (built, None, None)
-    if name not in ("llama", "titan_llama"):
-        raise SystemExit(f"unknown model {name!r}: the zoo registry is not available yet; use 'llama' "
-                         f"or a path to an HF config.json")
-    from .zoo.llama import Llama, LlamaArgs, torchtitan_tp_plan
-    model = Llama(LlamaArgs())
-    return model, torch.randint(0, 128, (batch, seq)), torchtitan_tp_plan(model, sequence_parallel=False)
+        model = registry.from_config_path(name)
+    else:
+        try:
+            model = registry.build(name)
+        except KeyError as error:  # unknown name: the message lists the known ones
+            raise SystemExit(f"xla-tp: {error.args[0]}") from None
+    return model, registry.example_input(name, batch=batch, seq=seq)
 
 
-def _plan(model: Any, known: Optional[dict], mesh: Any) -> Any:
-    try:
-        from .planners import plan_for
-    except ImportError:
-        if known is None:
-            raise SystemExit("no plan: xla_tp.planners (the 'auto' planner) is not available yet and "
-                             "this model has no built-in plan")
-        return known
-    return plan_for(model, mesh=mesh)
+def _mesh_and_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """(mesh, CPU model, example batch) from the command line's ``--mesh``, model, ``--batch``, ``--seq``."""
+    import xla_tp
+    axes = parse_mesh(args.mesh)
+    mesh = xla_tp.make_mesh(**axes) if axes else xla_tp.make_mesh()
+    return (mesh, *load_model(args.model, args.batch, args.seq))
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
     import torch_xla
     import xla_tp
     from .audit import audit
-    axes = parse_mesh(args.mesh)
-    mesh = xla_tp.make_mesh(**axes) if axes else xla_tp.make_mesh()
-    model, tokens, known = load_model(args.model, args.batch, args.seq)
-    model = xla_tp.parallelize_xla(model, _plan(model, known, mesh), mesh=mesh)
-    x = (tokens if tokens is not None else __import__("torch").randint(0, 100, (args.batch, args.seq)))
-    report = audit(model, x.to(torch_xla.device()), mesh=mesh, backward=args.backward)
+    from .planners import plan_for
+    from .zoo.registry import positional_args
+    mesh, model, batch = _mesh_and_model(args)
+    model = xla_tp.parallelize_xla(model, plan_for(model, mesh=mesh), mesh=mesh)
+    args_ = positional_args(model, batch.to(torch_xla.device()))
+    report = audit(model, *args_, mesh=mesh, backward=args.backward)
     print(json.dumps(report.to_dict(), indent=2) if args.json else report)
     return 0
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import xla_tp
-    try:
-        from .planners import plan_for
-    except ImportError:
-        print("xla-tp plan: the 'auto' planner (xla_tp.planners) is not available yet", file=sys.stderr)
-        return 2
-    axes = parse_mesh(args.mesh)
-    mesh = xla_tp.make_mesh(**axes) if axes else xla_tp.make_mesh()
-    model = load_model(args.model, args.batch, args.seq)[0]
+    from .planners import plan_for
+    mesh, model, _ = _mesh_and_model(args)
     print(plan_for(model, mesh=mesh).explain(model, mesh))
     return 0
 
