@@ -87,15 +87,6 @@ def _last_open(calls: list[_Call]) -> int:
     return max(i for i, c in enumerate(calls) if not c.outputs)
 
 
-def _natural_output(module: nn.Module, ml: ModuleLayout, tp_axis: str) -> Optional[Placement]:
-    """What a sharded Linear/Embedding emits before any output constraint (None: not such a layer)."""
-    spec = ml.params.get("weight")
-    if spec is None or tp_axis not in spec or not isinstance(module, (nn.Linear, nn.Embedding)):
-        return None
-    contraction = 1 if isinstance(module, nn.Linear) else 0
-    return Partial() if spec[contraction] == tp_axis else Shard(-1)
-
-
 def _step_kind(src: Placement, dst: Placement, ndim: int) -> Optional[str]:
     if isinstance(src, Partial):
         return "all-reduce" if isinstance(dst, Replicate) else "reduce-scatter"
@@ -161,12 +152,12 @@ def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
             chain = ml.inputs[i] if i < len(ml.inputs) else ()
             if count.chain(arg, chain, None, f"{call.fqn} input {i}") and i < len(call.constrained):
                 count.gathered.add(id(call.constrained[i]))
-        natural = _natural_output(mod, ml, layout.tp_axis)
+        natural = ml.natural_output
         for i, out in enumerate(call.outputs):
             chain = ml.outputs[i] if i < len(ml.outputs) else ()
             count.chain(out, chain or ((Replicate(),) if isinstance(natural, Partial) else ()),
                         natural if i == 0 else None, f"{call.fqn} output {i}")
-        if backward and isinstance(natural, Shard) and isinstance(mod, nn.Linear):
+        if backward and isinstance(natural, Shard):
             x = call.args[0] if call.args else None
             seen = grad_reduced | count.gathered
             if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in seen:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from torch import nn
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ..errors import PlanError
 from .layout import Chain, ModuleLayout, Spec
@@ -98,13 +98,14 @@ class HfStyle:
     params: Optional[ParamRule] = None
     inputs: Chain = ()
     outputs: Chain = ()
+    natural: Optional[Placement] = None  # ModuleLayout.natural_output
 
 
-_R, _S = Replicate(), Shard(-1)
-_COL = HfStyle(colwise_spec, (_R,), (_S,))
-_COL_REP = HfStyle(colwise_spec, (_R,), (_R,))
-_ROW = HfStyle(rowwise_spec, (_S,), (_R,))
-_ROW_REP = HfStyle(rowwise_spec, (_R, _S), (_R,))
+_R, _S, _P = Replicate(), Shard(-1), Partial()
+_COL = HfStyle(colwise_spec, (_R,), (_S,), _S)
+_COL_REP = HfStyle(colwise_spec, (_R,), (_R,), _S)
+_ROW = HfStyle(rowwise_spec, (_S,), (_R,), _P)
+_ROW_REP = HfStyle(rowwise_spec, (_R, _S), (_R,), _P)
 _GATHER = HfStyle(outputs=(_R,))
 _REPLICATED = HfStyle(replicated_spec)
 _NOTHING = HfStyle()
@@ -112,11 +113,11 @@ _NOTHING = HfStyle()
 HF_STYLES: Mapping[str, HfStyle] = {
     "colwise": _COL, "colwise_rep": _COL_REP, "colwise_gather_output": _COL_REP,
     "rowwise": _ROW, "rowwise_rep": _ROW_REP, "rowwise_split_input": _ROW_REP,
-    "local_colwise": HfStyle(colwise_spec), "local_rowwise": HfStyle(rowwise_spec),
-    "packed_colwise": HfStyle(colwise_spec, (_R,)), "packed_rowwise": HfStyle(rowwise_spec),
-    "local_packed_rowwise": HfStyle(rowwise_spec),
-    "embedding_rowwise": HfStyle(embedding_spec(0), (_R,), (_R,)),
-    "embedding_colwise": HfStyle(embedding_spec(1), (_R,), (_R,)),
+    "local_colwise": HfStyle(colwise_spec, natural=_S), "local_rowwise": HfStyle(rowwise_spec, natural=_P),
+    "packed_colwise": HfStyle(colwise_spec, (_R,), natural=_S), "packed_rowwise": HfStyle(rowwise_spec, natural=_P),
+    "local_packed_rowwise": HfStyle(rowwise_spec, natural=_P),
+    "embedding_rowwise": HfStyle(embedding_spec(0), (_R,), (_R,), _P),
+    "embedding_colwise": HfStyle(embedding_spec(1), (_R,), (_R,), _S),
     "grouped_gemm": HfStyle(expert_spec),
     "sequence_parallel": HfStyle(replicated_spec, (Shard(1),), (Shard(1),)),
     "gather": _GATHER, "all_reduce": _GATHER, "moe_tp_experts": _GATHER,
@@ -149,6 +150,7 @@ def lower_hf_style(name: str, fqn: str, module: nn.Module, key: str, tp_axis: st
         out.params = {n: style.params(n, p.dim(), tp_axis) for n, p in own}
     out.inputs = (style.inputs,) if style.inputs else ()
     out.outputs = (style.outputs,) if style.outputs else ()
+    out.natural_output = style.natural if out.params else None
     return out
 
 

@@ -39,10 +39,8 @@ class ModuleLayout:
     inputs: tuple[Chain, ...] = ()
     kwarg_inputs: dict[str, Chain] = field(default_factory=dict)
     outputs: tuple[Chain, ...] = ()
-
-    @property
-    def has_constraints(self) -> bool:
-        return any(self.inputs) or any(self.kwarg_inputs.values()) or any(self.outputs)
+    natural_output: Optional[Placement] = None  # what the module's own math emits over the TP axis:
+    # Partial() when it contracts a sharded dimension (row-parallel), Shard(-1) when column-parallel
 
 
 @dataclass
@@ -53,9 +51,6 @@ class Layout:
     batch_axes: tuple[str, ...]
     modules: dict[str, ModuleLayout] = field(default_factory=dict)
     params: dict[str, Spec] = field(default_factory=dict)
-
-    def spec_of(self, param_fqn: str) -> Optional[Spec]:
-        return self.params.get(param_fqn)
 
 
 def chain(*placements: Optional[Placement]) -> Chain:

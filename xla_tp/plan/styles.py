@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
 from torch import nn
+from torch.distributed.tensor.placement_types import Placement
 
 from ..errors import PlanError
 from .layout import Chain, ModuleLayout
@@ -29,6 +30,7 @@ class ShardParams:
     inputs: tuple[Chain, ...] = ()
     outputs: tuple[Chain, ...] = ()
     kwarg_inputs: Mapping[str, Chain] = field(default_factory=dict)
+    natural_output: Optional[Placement] = None  # Partial() for a row-parallel module (see ModuleLayout)
 
     def lower(self, fqn: str, module: nn.Module, key: str, tp_axis: str) -> ModuleLayout:
         own = dict(module.named_parameters(recurse=True))
@@ -38,4 +40,5 @@ class ShardParams:
                             f"parameters {missing}; it has {sorted(own)}")
         params = {n: tuple(tp_axis if a == TP else a for a in spec) for n, spec in self.params.items()}
         return ModuleLayout(fqn=fqn, source=key, style=repr(self), params=params, inputs=self.inputs,
-                            kwarg_inputs=dict(self.kwarg_inputs), outputs=self.outputs)
+                            kwarg_inputs=dict(self.kwarg_inputs), outputs=self.outputs,
+                            natural_output=self.natural_output)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
                                                PrepareModuleInputOutput, PrepareModuleOutput,
                                                RowwiseParallel, SequenceParallel)
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..errors import PlanError
 from .layout import ModuleLayout, chain
@@ -76,6 +76,7 @@ def _lower_linear_style(style: ParallelStyle, module: nn.Module, out: ModuleLayo
     out.params = {n: s for n, s in out.params.items() if getattr(module, n, None) is not None}
     out.inputs = (chain(style.input_layouts[0], desired),)
     out.outputs = (chain(style.output_layouts[0]),)
+    out.natural_output = Shard(-1) if colwise else Partial()
 
 
 def _lower_prepare_input(style: PrepareModuleInput, out: ModuleLayout) -> None:

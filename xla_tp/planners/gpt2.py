@@ -21,6 +21,8 @@ import torch
 from torch import nn
 
 from ..attention import einsum_attention
+from torch.distributed.tensor.placement_types import Partial
+
 from ..plan.styles import ShardParams
 from .packed import PackedStyle, attach_relayout, relayout_param
 from .plan import Plan
@@ -31,8 +33,9 @@ from .table import ROLES, Role, build_plan
 FAMILY = "gpt2"
 C_PROJ = {"c_proj.weight": ("tp", None), "c_proj.bias": (None,)}
 ROLES["gpt2_attn"] = Role(PackedStyle(
-    ShardParams({"c_attn.weight": (None, None, "tp"), "c_attn.bias": (None, "tp"), **C_PROJ}),
-    ShardParams({"c_attn.weight": (None, "tp"), "c_attn.bias": ("tp",), **C_PROJ})),
+    ShardParams({"c_attn.weight": (None, None, "tp"), "c_attn.bias": (None, "tp"), **C_PROJ},
+                natural_output=Partial()),
+    ShardParams({"c_attn.weight": (None, "tp"), "c_attn.bias": ("tp",), **C_PROJ}, natural_output=Partial())),
     (("c_proj.weight", 0),), heads="q")
 TABLE = (("wte", "vocab"), ("attn", "gpt2_attn"), ("mlp.c_fc", "conv_col"), ("mlp.c_proj", "conv_row"),
          ("lm_head", "head"))

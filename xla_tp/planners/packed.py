@@ -80,7 +80,7 @@ class PackedStyle:
         chosen = self.packed if is_packed(module) else self.plain
         own = dict(module.named_parameters())
         params = {n: s for n, s in chosen.params.items() if n in own}
-        style = ShardParams(params, chosen.inputs, chosen.outputs, chosen.kwarg_inputs)
+        style = ShardParams(params, chosen.inputs, chosen.outputs, chosen.kwarg_inputs, chosen.natural_output)
         return style.lower(fqn, module, key, tp_axis)
 
 

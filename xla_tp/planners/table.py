@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-from torch.distributed.tensor.placement_types import Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..plan.styles import ShardParams
 from .plan import Plan
@@ -35,9 +35,9 @@ class Role:
 
 
 CONV_COL = ShardParams({"weight": (None, "tp"), "bias": ("tp",)}, inputs=((Replicate(),),),
-                       outputs=((Shard(-1),),))
+                       outputs=((Shard(-1),),), natural_output=Shard(-1))
 CONV_ROW = ShardParams({"weight": ("tp", None), "bias": (None,)}, inputs=((Shard(-1),),),
-                       outputs=((Replicate(),),))
+                       outputs=((Replicate(),),), natural_output=Partial())
 
 ROLES: dict[str, Role] = {
     "col": Role(ColwiseParallel(), (("weight", 0),)),
