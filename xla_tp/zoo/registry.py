@@ -1,6 +1,6 @@
 """Tiny models by name, built from configs (no hub download), at two widths, with example inputs.
 
-Names: llama, mistral, qwen2, qwen3, gemma, gpt2, bert, roberta, torch_encoder, torch_mha, mlp,
+Names: llama, mistral, qwen2, qwen3, gemma, gemma2, granite, cohere, gpt2, bert, roberta, torch_encoder, torch_mha, mlp,
 titan_llama; widths ``"tiny"`` (hidden 64, 8 heads) and ``"small"`` (hidden 128, 8 heads). A path
 to a local ``config.json`` (or a directory holding one) builds that architecture, randomly
 initialised. HF models come with their task head (causal / masked LM) unless ``head=False``.
@@ -37,7 +37,8 @@ def _hf(config_name: str, auto_class: str, kw: Callable[[int, int, int], dict]) 
 def _decoder(config_name: str) -> Callable[..., nn.Module]:
     return _hf(config_name, "AutoModelForCausalLM", lambda h, kv_heads, layers: dict(
         hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=HEADS,
-        num_key_value_heads=kv_heads, head_dim=h // HEADS, vocab_size=VOCAB, max_position_embeddings=64))
+        num_key_value_heads=kv_heads, head_dim=h // HEADS, vocab_size=VOCAB, max_position_embeddings=64,
+        bos_token_id=0, eos_token_id=1, pad_token_id=None))
 
 
 def _encoder(config_name: str) -> Callable[..., nn.Module]:
@@ -72,6 +73,7 @@ def _titan(h: int, kv_heads: int, layers: int, head: bool) -> nn.Module:
 BUILDERS: dict[str, Callable[..., nn.Module]] = {
     "llama": _decoder("LlamaConfig"), "mistral": _decoder("MistralConfig"),
     "qwen2": _decoder("Qwen2Config"), "qwen3": _decoder("Qwen3Config"), "gemma": _decoder("GemmaConfig"),
+    "gemma2": _decoder("Gemma2Config"), "granite": _decoder("GraniteConfig"), "cohere": _decoder("CohereConfig"),
     "gpt2": _gpt2, "bert": _encoder("BertConfig"), "roberta": _encoder("RobertaConfig"),
     "torch_encoder": _torch_encoder, "torch_mha": _torch_mha, "mlp": _mlp, "titan_llama": _titan,
 }
@@ -137,7 +139,8 @@ def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     Self-attention runs as ``(x, x, x, need_weights=False)``; models with a KV cache run with
     ``use_cache=False``. ``run(build("llama"), example_input("llama")).shape == (4, 16, VOCAB)``.
     """
-    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+    forward = type(model).forward  # the class's: parallelize_xla may wrap the instance's forward
+    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(forward).parameters else {}
     out = model(*positional_args(model, x), **kwargs)
     for field in ("logits", "last_hidden_state"):
         if getattr(out, field, None) is not None:
