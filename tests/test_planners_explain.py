@@ -1,5 +1,8 @@
 """plan_for structure detection, fallbacks with reasons, and Plan.explain()."""
+import copy
+
 import pytest
+import torch
 from torch import nn
 
 import xla_tp
@@ -38,3 +41,15 @@ def test_registry_names():
     assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gpt2", "bert", "roberta", "torch_encoder",
             "torch_mha", "mlp", "titan_llama"} <= set(BUILDERS)
     assert build("llama", width="small").config.hidden_size == 128
+
+
+def test_auto_on_an_indivisible_stack_moves_it_replicated():
+    """A recognised model whose dimensions do not divide the axis is not an error: it stays
+    replicated (the reasons are in plan.replicated) and still computes the same thing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8))
+    ref = copy.deepcopy(model)
+    xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(model=8))
+    x = torch.randn(4, 8)
+    assert model[0].weight.device.type == "xla"
+    assert (model(x.to(model[0].weight.device)).cpu() - ref(x)).abs().max() < 1e-5

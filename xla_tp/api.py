@@ -54,10 +54,6 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
         from .planners import plan_for
         plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
-        if not plan:
-            raise PlanError(f"plan='auto': no planner recognises {type(module).__name__} (families: "
-                            f"HF decoders, GPT-2, BERT/RoBERTa, torch transformer layers, torchtitan "
-                            f"Llama, Linear stacks); pass a plan dict instead")
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes)
     # A planner's Plan may re-lay packed weights head-aligned (state_dict shapes unchanged) and swap

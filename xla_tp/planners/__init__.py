@@ -18,7 +18,6 @@ from ..errors import PlanError
 from ..mesh import canonical_axis, to_xs_mesh
 from . import bert, gpt2, hf_decoder, mlp, titan, torch_transformer
 from .plan import Plan
-from .table import build_plan
 
 FAMILIES = (torch_transformer, gpt2, bert, hf_decoder, titan, mlp)
 
@@ -39,9 +38,15 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model") -> Plan
     """The plan ``"auto"`` would apply to ``model`` on ``mesh``: recognised by module structure.
 
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh=make_mesh(data=2, model=4)).family == "hf_decoder"``.
+
+    A model no planner recognises is a ``PlanError`` (pass a plan instead); a recognised one whose
+    dimensions do not divide the axis gets a plan that leaves them replicated, with the reasons in
+    ``plan.replicated``.
     """
     tp = axis_size(mesh, tp_axis)
     for family in FAMILIES:
         if family.detect(model):
             return family.plan(model, tp)
-    return build_plan(model, (), tp, "none")
+    raise PlanError(f"no planner recognises {type(model).__name__} (families: HF decoders, GPT-2, "
+                    f"BERT/RoBERTa, torch transformer layers, torchtitan Llama, Linear stacks); "
+                    f"pass a plan dict instead")
