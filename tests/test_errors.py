@@ -120,3 +120,40 @@ def test_mesh_without_the_tp_axis():
 def test_not_a_module():
     with pytest.raises(PlanError, match="nn.Module"):
         xla_tp.parallelize_xla(torch.ones(3), {})
+
+
+REVIEW_CASES = [
+    # a spec torch placements cannot say, with the distribute_tensor backend: refused before placing
+    (lambda: xla_tp.load_rules({"fc2.weight": [["data", "model"], None]}), {"backend": "distribute_tensor"},
+     {"data": 2, "model": 4}, ["'fc2.weight'", "distribute_tensor"]),
+    # one axis on two dimensions
+    (lambda: xla_tp.load_rules({"fc2.weight": ["model", "model"]}), {}, {"model": 8}, ["'fc2.weight'", "more than one"]),
+    # an activation rule naming an axis the mesh lacks
+    (lambda: xla_tp.load_rules({"fc1": ["bogus", None]}), {}, {"model": 8}, ["'fc1'", "'bogus'"]),
+]
+
+
+@pytest.mark.parametrize("make_plan, kwargs, axes, words", REVIEW_CASES)
+def test_specs_are_checked_before_anything_moves(make_plan, kwargs, axes, words):
+    model = MLP(16, 32)
+    snap = snapshot(model)
+    with pytest.raises(PlanError) as info:
+        xla_tp.parallelize_xla(model, make_plan(), mesh=xla_tp.make_mesh(**axes), **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+    assert_unchanged(model, snap)
+
+
+def test_explicit_fsdp_rule_is_not_sharded_twice():
+    model = MLP(16, 32)
+    mesh = xla_tp.make_mesh(fsdp=2, model=4)
+    xla_tp.parallelize_xla(model, xla_tp.load_rules({"fc1.weight": ["fsdp", None]}), mesh=mesh)
+    from .helpers import expected_sharding, sharding
+    assert sharding(model.fc1.weight) == expected_sharding((32, 16), mesh, ("fsdp", None))
+
+
+def test_unnamed_2d_mesh_is_refused():
+    from torch.distributed.device_mesh import DeviceMesh
+    with pytest.raises(xla_tp.MeshError, match="needs axis names"):
+        xla_tp.parallelize_module(MLP(16, 32), DeviceMesh("xla", torch.arange(8).reshape(2, 4)),
+                                  {"fc1": ColwiseParallel()})

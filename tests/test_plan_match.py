@@ -88,3 +88,13 @@ def test_unplanned_parameters_notes_fsdp_only():
     model = _model()
     layout = build_layout(model, {"layers.*.fc1": "colwise"}, {"fsdp": 2, "model": 4}, "model")
     assert unplanned_parameters(model, layout)["layers.0.fc2.weight"].endswith("(sharded over ('fsdp', None) only)")
+
+
+def test_ambiguity_does_not_depend_on_key_order():
+    from xla_tp.plan.match import match_keys
+    for keys in (["l*", "l?", "l1"], ["l1", "l*", "l?"]):
+        best, _ = match_keys(keys, ["l1"])
+        assert best == {"l1": "l1"}  # the exact key wins over both wildcards, in either order
+    for keys in (["l*", "l?"], ["l?", "l*"]):
+        with pytest.raises(xla_tp.PlanError, match="both match 'l2'"):
+            match_keys(keys, ["l2"])

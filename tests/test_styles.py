@@ -168,3 +168,12 @@ def test_parallelizing_again_replaces_the_previous_hooks():
     xla_tp.parallelize_xla(model, {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()}, mesh=mesh)
     assert len(model.fc1._forward_pre_hooks) == 1 and len(model.fc1._forward_hooks) == 1
     assert sharding(model.fc1.weight) == expected_sharding((32, 16), mesh, (None, "model"))
+
+
+def test_parallelizing_again_forgets_shardings_the_new_plan_leaves_out():
+    mesh = xla_tp.make_mesh(model=8)
+    model = MLP(16, 32)
+    xla_tp.parallelize_xla(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, mesh=mesh)
+    xla_tp.parallelize_xla(model, {"fc2": RowwiseParallel()}, mesh=mesh)
+    assert "devices" not in sharding(model.fc1.weight)
+    assert not hasattr(model.fc1.weight, "_xla_tp_sharding")

@@ -42,7 +42,7 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     """
     if not isinstance(module, nn.Module):
         raise PlanError(f"parallelize_xla takes an nn.Module, got {type(module).__name__}")
-    shard = get_backend(backend)
+    shard, check_spec = get_backend(backend)
     xmesh = to_xs_mesh(mesh)
     axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     tp_axis = canonical_axis(tp_axis)
@@ -55,15 +55,15 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
         from .planners import plan_for
         plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
     layout = build_layout(module, plan, axes, tp_axis, strict)
-    validate(module, layout, axes)
+    validate(module, layout, axes, check_spec)
     # A planner's Plan may re-lay packed weights head-aligned (state_dict shapes unchanged) and swap
     # in XLA-friendly forwards. Both run only once the plan has validated on the model as it was;
-    # the layout is then rebuilt for the re-laid parameters.
+    # the layout is then rebuilt for the re-laid parameters (the planner re-lays only what divides).
     relayout = getattr(plan, "relayout", None)
     if relayout is not None:
         relayout(module)
         layout = build_layout(module, plan, axes, tp_axis, strict)
-        validate(module, layout, axes)
+        validate(module, layout, axes, check_spec)
     getattr(plan, "prepare", lambda m: None)(module)
     place_module(module, layout.params, xmesh, shard)
     install_constraints(module, layout, xmesh)

@@ -14,6 +14,8 @@ Example::
 """
 from __future__ import annotations
 
+import warnings
+
 from typing import Any, Optional
 
 import torch
@@ -95,6 +97,8 @@ def use_einsum_attention(model: nn.Module) -> bool:
     register()
     try:
         model.set_attn_implementation(NAME)
-    except (ValueError, KeyError, NotImplementedError):
-        model.config._attn_implementation = NAME
+    except (ValueError, KeyError, NotImplementedError) as e:
+        warnings.warn(f"xla_tp: {type(model).__name__} keeps its own attention ({e}); its q/k/v may be "
+                      f"all-gathered and attention replicated", stacklevel=2)
+        return False
     return model.config._attn_implementation == NAME

@@ -1,4 +1,4 @@
-"""The main job until the launcher lands: a small Llama, parallelized, checked against itself.
+"""The main job: a small Llama, parallelized on emulated devices, checked against itself unsharded.
 
 Reads ``recipes/default.yaml`` (command-line flags override it), builds the torchtitan-style Llama of ``xla_tp.zoo.llama`` on the CPU, copies it, applies
 torchtitan's TP plan (sequence parallel, loss parallel) on a ``data x model`` mesh of emulated

@@ -22,7 +22,7 @@ import torch_xla.distributed.spmd as xs
 from .plan.layout import Spec
 
 log = logging.getLogger(__name__)
-_ATTR = "_xla_tp_sharding"
+SHARDING_ATTR = "_xla_tp_sharding"
 _hook_handle = None
 
 
@@ -40,13 +40,19 @@ def sharding_of(t: torch.Tensor) -> str:
 
 
 def remember_sharding(p: torch.nn.Parameter, fqn: str, mesh: xs.Mesh, spec: Spec) -> None:
-    setattr(p, _ATTR, ParamSharding(fqn, mesh, spec, sharding_of(p)))
+    """Record ``p``'s sharding (right after annotation) so optimizer steps can restore it."""
+    setattr(p, SHARDING_ATTR, ParamSharding(fqn, mesh, spec, sharding_of(p)))
     _install_hook()
+
+
+def forget_sharding(p: torch.Tensor) -> bool:
+    """Drop ``p``'s record; True if it had one."""
+    return p.__dict__.pop(SHARDING_ATTR, None) is not None
 
 
 def restore_sharding(p: torch.Tensor) -> bool:
     """Re-apply ``p``'s recorded sharding if an update dropped it; True if it had to."""
-    rec: ParamSharding | None = getattr(p, _ATTR, None)
+    rec: ParamSharding | None = getattr(p, SHARDING_ATTR, None)
     if rec is None or sharding_of(p) == rec.expected:
         return False
     xs.clear_sharding(p)
@@ -55,7 +61,7 @@ def restore_sharding(p: torch.Tensor) -> bool:
 
 
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    restored = [getattr(p, _ATTR).fqn for g in optimizer.param_groups for p in g["params"]
+    restored = [getattr(p, SHARDING_ATTR).fqn for g in optimizer.param_groups for p in g["params"]
                 if restore_sharding(p)]
     if restored:
         log.info("xla_tp: %s.step() dropped the sharding of %d parameters (%s); restored",

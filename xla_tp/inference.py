@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_map_only
 
 
 def _inference_safe_forward(self: nn.Module, *args, **kwargs):
-    forward = type(self).forward.__get__(self)
+    forward = self._xla_tp_forward
     if not torch.is_inference_mode_enabled():
         return forward(*args, **kwargs)
     with torch.inference_mode(False), torch.no_grad():
@@ -31,4 +31,5 @@ def _inference_safe_forward(self: nn.Module, *args, **kwargs):
 def make_inference_safe(module: nn.Module) -> None:
     """Route ``module``'s forward through the inference-mode workaround (idempotent)."""
     if getattr(module.forward, "__func__", None) is not _inference_safe_forward:
+        module._xla_tp_forward = module.forward  # the class's, or one a planner swapped in
         module.forward = types.MethodType(_inference_safe_forward, module)

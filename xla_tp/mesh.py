@@ -46,6 +46,7 @@ def ensure_runtime() -> None:
 
 
 def device_count() -> int:
+    """Number of XLA devices (initialises the runtime first)."""
     ensure_runtime()
     return xr.global_runtime_device_count()
 
@@ -125,9 +126,11 @@ def to_xs_mesh(mesh: MeshLike) -> xs.Mesh:
 
 
 def _default_names(ndim: int) -> tuple[str, ...]:
+    """An unnamed 1-D mesh is the ``model`` axis; a larger one must say which axis is which."""
     if ndim == 1:
         return ("model",)
-    return AXIS_ORDER[-ndim:] if ndim <= len(AXIS_ORDER) else tuple(f"axis{i}" for i in range(ndim))
+    raise MeshError(f"a {ndim}-D mesh needs axis names: pass mesh_dim_names (DeviceMesh) or axis_names "
+                    f"(xs.Mesh) from {AXIS_ORDER}, e.g. ('data', 'model')")
 
 
 def _is_device_mesh(obj: object) -> bool:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from .guard import SHARDING_ATTR
 from .plan.layout import Spec
 
 
@@ -40,7 +41,7 @@ def sharding_rows(module: nn.Module, mesh: xs.Mesh) -> list[ParamRow]:
     """One row per parameter, from the sharding ``parallelize_xla`` recorded (else replicated)."""
     rows = []
     for name, p in module.named_parameters():
-        rec = getattr(p, "_xla_tp_sharding", None)
+        rec = getattr(p, SHARDING_ATTR, None)
         spec = rec.spec if rec is not None else (None,) * p.dim()
         shape = tuple(p.shape)
         loc = local_shape(shape, spec, mesh)

@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch_xla.distributed.spmd as xs
@@ -33,9 +33,6 @@ def shard_distribute(t: torch.Tensor, mesh: xs.Mesh, spec: Spec) -> torch.Tensor
     for axis in mesh.axis_names:
         dims = [d for d, a in enumerate(spec) if a == axis or (isinstance(a, tuple) and axis in a)]
         placements.append(Shard(dims[0]) if dims else Replicate())
-    if any(isinstance(a, tuple) for a in spec):
-        raise PlanError(f"backend='distribute_tensor' cannot express spec {spec} (a dimension over "
-                        f"several axes); use backend='mark_sharding'")
     device_mesh = _device_mesh(mesh)
     return distribute_tensor(t, device_mesh, placements).global_tensor
 
@@ -49,10 +46,22 @@ def _device_mesh(mesh: xs.Mesh):
     return mesh._xla_tp_device_mesh
 
 
-BACKENDS: dict[str, ShardFn] = {"mark_sharding": shard_mark, "distribute_tensor": shard_distribute}
+def distribute_problem(spec: Spec) -> Optional[str]:
+    """Placements say one tensor dimension per mesh axis: a dimension over several axes is not one."""
+    if any(isinstance(a, tuple) for a in spec):
+        return (f"backend='distribute_tensor' cannot express spec {spec} (a dimension over several "
+                f"axes); use backend='mark_sharding'")
+    return None
 
 
-def get_backend(name: str) -> ShardFn:
+BACKENDS: dict[str, tuple[ShardFn, Callable[[Spec], Optional[str]]]] = {
+    "mark_sharding": (shard_mark, lambda spec: None),
+    "distribute_tensor": (shard_distribute, distribute_problem),
+}
+
+
+def get_backend(name: str) -> tuple[ShardFn, Callable[[Spec], Optional[str]]]:
+    """``(shard, check_spec)`` of backend ``name``; ``PlanError`` listing the backends otherwise."""
     if name not in BACKENDS:
         raise PlanError(f"backend {name!r} is unknown; use one of {sorted(BACKENDS)}")
     return BACKENDS[name]

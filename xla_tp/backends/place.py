@@ -18,16 +18,16 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from ..guard import remember_sharding, restore_sharding
+from ..guard import SHARDING_ATTR, forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
 from . import ShardFn
 
 
-def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh, shard: ShardFn) -> None:
+def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn) -> None:
     """Move/materialise ``module`` onto the XLA device and shard the parameters in ``specs``."""
     device = torch_xla.device()
     memo: dict[int, torch.Tensor] = {}
-    to_reset: list[nn.Module] = []
+    to_reset: dict[int, nn.Module] = {}
     sharded: list[nn.Parameter] = []
     for mfqn, mod in module.named_modules(remove_duplicate=False):
         had_meta = False
@@ -48,11 +48,11 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh, shard: Shar
                 had_meta |= b.is_meta
                 memo[id(b)] = _to_device(b, device)
             mod._buffers[name] = memo[id(b)]
-        if had_meta and mod not in to_reset:
-            to_reset.append(mod)
+        if had_meta:
+            to_reset[id(mod)] = mod
     if to_reset:
         with torch.no_grad():
-            for mod in to_reset:
+            for mod in to_reset.values():
                 mod.reset_parameters()
         for p in sharded:
             restore_sharding(p)
@@ -65,9 +65,11 @@ def _place_param(p: nn.Parameter, fqn: str, spec, mesh, shard: ShardFn, device) 
         if _is_sharded(t):
             t = xs.clear_sharding(t)
         t = shard(t, mesh, spec)
+    elif forget_sharding(t) and _is_sharded(t):
+        t = xs.clear_sharding(t)  # sharded by an earlier parallelize_xla that this plan overrides
     new = p if t is p else nn.Parameter(t, requires_grad=p.requires_grad)
     if new is not p:
-        new.__dict__.update(p.__dict__)
+        new.__dict__.update({k: v for k, v in p.__dict__.items() if k != SHARDING_ATTR})
     if spec is not None:
         remember_sharding(new, fqn, mesh, spec)
     return new

@@ -42,6 +42,7 @@ _DIGITS = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 
 
 def key_kind(key: str) -> int:
+    """``EXACT`` (0), ``WILDCARD`` (1) or ``REGEX`` (2): lower is more specific."""
     if key.startswith("re:"):
         return REGEX
     return WILDCARD if _WILDCARD_CHARS & set(key) else EXACT
@@ -61,23 +62,27 @@ def key_matches(key: str, fqn: str) -> bool:
 
 
 def match_keys(keys: Iterable[str], fqns: Sequence[str]) -> tuple[dict[str, str], list[str]]:
-    """Return (module FQN -> winning key, keys that matched nothing)."""
-    best: dict[str, str] = {}
+    """Return (module FQN -> winning key, keys that matched nothing).
+
+    The most specific kind among the keys matching an FQN wins; a tie at that kind is ambiguous,
+    whatever the order of the keys.
+    """
+    hits: dict[str, list[str]] = {}
     unused: list[str] = []
     for key in keys:
-        hit = False
-        for fqn in fqns:
-            if not key_matches(key, fqn):
-                continue
-            hit = True
-            other = best.get(fqn)
-            if other is None or key_kind(key) < key_kind(other):
-                best[fqn] = key
-            elif key_kind(key) == key_kind(other):
-                raise PlanError(f"plan keys {other!r} and {key!r} both match module {fqn!r}; "
-                                f"make one of them more specific or remove one")
-        if not hit:
+        matched = [fqn for fqn in fqns if key_matches(key, fqn)]
+        for fqn in matched:
+            hits.setdefault(fqn, []).append(key)
+        if not matched:
             unused.append(key)
+    best: dict[str, str] = {}
+    for fqn, candidates in hits.items():
+        kind = min(map(key_kind, candidates))
+        tied = [k for k in candidates if key_kind(k) == kind]
+        if len(tied) > 1:
+            raise PlanError(f"plan keys {tied[0]!r} and {tied[1]!r} both match {fqn!r}; "
+                            f"make one of them more specific or remove one")
+        best[fqn] = tied[0]
     return best, unused
 
 

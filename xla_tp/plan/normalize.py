@@ -119,6 +119,8 @@ def _add_fsdp(module: nn.Module, specs: dict[str, Spec], fsdp_size: int) -> None
     """Shard every parameter's first free dimension that divides over the ``fsdp`` axis."""
     for name, p in module.named_parameters():
         spec = list(specs.get(name, (None,) * p.dim()))
+        if any(a == FSDP_AXIS or (isinstance(a, tuple) and FSDP_AXIS in a) for a in spec):
+            continue  # the plan placed the fsdp axis itself
         for d, size in enumerate(p.shape):
             if spec[d] is None and size % fsdp_size == 0:
                 spec[d] = FSDP_AXIS

@@ -17,14 +17,13 @@ from torch import nn
 
 
 class Plan(dict):
-    """FQN pattern -> style, plus ``family``, ``replicated`` (param -> reason) and ``notes``."""
+    """FQN pattern -> style, plus ``family`` and ``replicated`` (param -> reason)."""
 
     def __init__(self, *args: Any, family: str = "none",
                  prepare: Optional[Callable[[nn.Module], None]] = None, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.family = family
         self.replicated: dict[str, str] = {}
-        self.notes: list[str] = []
         self._prepare = prepare
 
     def prepare(self, model: nn.Module) -> None:

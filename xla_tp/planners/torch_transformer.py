@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from torch.distributed.tensor.placement_types import Partial, Replicate
+from torch.distributed.tensor.placement_types import Partial
 
 from ..plan.styles import ShardParams
 from .mha import pack_mha, packable
@@ -23,13 +23,12 @@ from .prepare import prepare_for_xla
 from .table import ROLES, Role, build_plan
 
 FAMILY = "torch_transformer"
-QKV_REPLICATED = ((Replicate(),),) * 3  # query, key, value: whole over the TP axis, batch on data/fsdp
 OUT_PROJ = {"out_proj.weight": (None, "tp"), "out_proj.bias": (None,)}
 ROLES["mha_packed"] = Role(PackedStyle(
     ShardParams({"in_proj_weight": (None, "tp", None), "in_proj_bias": (None, "tp"), **OUT_PROJ},
-                inputs=QKV_REPLICATED, natural_output=Partial()),
+                natural_output=Partial()),
     ShardParams({"in_proj_weight": ("tp", None), "in_proj_bias": ("tp",), **OUT_PROJ},
-                inputs=QKV_REPLICATED, natural_output=Partial())),
+                natural_output=Partial())),
     (("out_proj.weight", 1),), heads="q")
 EXTRAS = "nn.MultiheadAttention with add_bias_kv/add_zero_attn or kdim/vdim != embed_dim: no rule shards it"
 
