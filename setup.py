@@ -16,7 +16,7 @@ setup(
     ],
     extras_require={
         "hf": ["transformers==5.23.0"],
-        "test": ["pytest", "transformers==5.23.0"],
+        "test": ["pytest", "transformers==5.23.0", "matplotlib"],  # matplotlib: the bench chart
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )

@@ -19,21 +19,28 @@ os.environ["XLA_DUMP_POST_OPTIMIZATIONS"] = "1"  # this is its own process: read
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MESHES = {8: ({"model": 8}, {"data": 2, "model": 4}), 4: ({"model": 4},)}
-AUTO_SHARDING = ("not run: torch_xla's auto-sharding (xla_distribute_module with auto_policy / "
-                 "use_spmd(auto=True)) switches the whole process and is supported on TPU only")
 
 
 def run_meshes(families, widths, meshes) -> list[dict]:
+    """Every route on every model and mesh; route (e) on the smallest model only (a child each)."""
     import xla_tp
-    from .routes import NOT_RUN, ROUTES, run_route
-    rows = []
+    from xla_tp.zoo import registry
+    from .auto_sharding import auto_sharding_row
+    from .models import smallest
+    from .routes import NOT_RUN, ROUTES, mesh_name, run_route
+    rows, auto_family = [], smallest(families, widths[0])
     for axes in meshes:
         mesh, cache = xla_tp.make_mesh(**axes), {}
         for family in families:
             for width in widths:
-                for route in [*ROUTES, *NOT_RUN]:
-                    rows.append(run_route(route, family, width, mesh, cache))
-                    print(json.dumps({k: v for k, v in rows[-1].items() if k != "collectives"}), flush=True)
+                new = [run_route(route, family, width, mesh, cache) for route in [*ROUTES, *NOT_RUN]]
+                if (family, width) == (auto_family, widths[0]):
+                    sizes = {"data": axes.get("data", 1), "model": axes["model"]}
+                    new.append({"route": "e_xla_auto_sharding", "family": family, "width": registry.WIDTHS[width],
+                                "mesh": mesh_name(mesh), **auto_sharding_row(family, width, sizes)})
+                for row in new:
+                    print(json.dumps({k: v for k, v in row.items() if k != "collectives"}), flush=True)
+                rows += new
     return rows
 
 
@@ -59,13 +66,14 @@ def main(argv=None) -> int:
         env = dict(os.environ, CPU_NUM_DEVICES="4")
         subprocess.run([sys.executable, "-m", "bench", "--child", str(child)], env=env, check=True)
         rows += json.loads(child.read_text())
+    from .auto_sharding import summary
     from .planning import planning_times
-    from .render import render
-    extra = {"e_xla_auto_sharding": AUTO_SHARDING,
+    from .render import CHART, render
+    extra = {"e_xla_auto_sharding": summary(rows),
              "planning, Llama-3-70B shape on meta": json.dumps(planning_times())}
     (out / "routes.json").write_text(json.dumps({"rows": rows, **extra}, indent=1))
     render(rows, out, extra)
-    print(f"wrote {out / 'routes.json'}, {out / 'latest.md'}, {out / 'compute_balance.png'}")
+    print(f"wrote {out / 'routes.json'}, {out / 'latest.md'}, {out / CHART}")
     return 0
 
 

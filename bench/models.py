@@ -40,3 +40,8 @@ def build(family: str, width: str, seed: int = 0) -> tuple[nn.Module, torch.Tens
     model = registry.build(family, width, head=family not in BASE_MODEL)
     plan = MEGATRON_PLANS.get(family) or hf_plan(model)
     return model, registry.example_input(family, width, batch=BATCH, seq=SEQ), plan
+
+
+def smallest(families: tuple[str, ...], width: str) -> str:
+    """The family with the fewest parameters at ``width``: ``smallest(("llama", "bert"), "tiny") == "bert"``."""
+    return min(families, key=lambda f: sum(p.numel() for p in build(f, width)[0].parameters()))

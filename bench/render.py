@@ -1,11 +1,12 @@
-"""Bench rows -> markdown table (``latest.md``) and a PNG chart. Example: ``render(rows, "bench/results")``."""
+"""Bench rows -> markdown table (``latest.md``) and a PNG chart: ``render(rows, Path("bench/results"), {})``."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
-from .png import COLOURS, write_bars
+from .chart import chart
 
+CHART = "routes.png"
 COLUMNS = ("comm_ratio", "all_gathers", "compute_balance", "param_memory_ratio", "trace_x", "compile_x")
 
 
@@ -33,31 +34,17 @@ def markdown(rows: list[dict], extra: dict[str, Any]) -> str:
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         if r.get("status") == "ok":
-            cells = [_cell(r.get(c)) for c in COLUMNS]
+            cells = [_cell(r[c]) if c in r else "n/a" for c in COLUMNS]
         else:
             cells = [r.get("status", "?")] + [""] * (len(COLUMNS) - 1)
         lines.append("| " + " | ".join([f"{r['family']}-{r['width']}", r["mesh"], r["route"], *cells]) + " |")
-    lines += ["", "comm_ratio `inf` = communication where the plan implies none.", ""]
+    lines += ["", "comm_ratio `inf` = communication where the plan implies none; `n/a` = not measured.", ""]
     lines += [f"- **{k}**: {v}" for k, v in extra.items()]
     return "\n".join(lines) + "\n"
 
 
-def chart(rows: list[dict], path: Path, metric: str = "compute_balance") -> str:
-    """Write a PNG of ``metric`` per model (groups) and route (colours); return its legend."""
-    routes = sorted({r["route"] for r in rows if r.get("status") == "ok"})
-    groups: dict[str, list[Optional[float]]] = {}
-    for r in rows:
-        if r.get("status") == "ok" and r["route"] in routes:
-            key = f"{r['family']}-{r['width']}@{r['mesh']}"
-            groups.setdefault(key, [None] * len(routes))[routes.index(r["route"])] = r.get(metric)
-    write_bars(str(path), groups, routes)
-    legend = ", ".join(f"{name} = rgb{COLOURS[i % len(COLOURS)]}" for i, name in enumerate(routes))
-    return (f"![{metric}]({path.name}) — {metric} per model@mesh (groups, in table order: "
-            f"{', '.join(groups)}); bars: {legend}; grey line = 1.0 (optimal), capped at 4")
-
-
 def render(rows: list[dict], out_dir: Path, extra: dict[str, Any]) -> None:
-    """Write ``latest.md`` and ``compute_balance.png`` under ``out_dir``."""
+    """Write ``latest.md`` and the chart (``CHART``) under ``out_dir``."""
     rows = with_relative_times(rows)
-    legend = chart(rows, out_dir / "compute_balance.png")
+    legend = chart(rows, out_dir / CHART)
     (out_dir / "latest.md").write_text(markdown(rows, extra) + "\n" + legend + "\n")
