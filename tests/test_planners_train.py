@@ -1,4 +1,5 @@
-"""One "auto" training step of a decoder (GQA with 2 key/value heads < 4 devices) matches CPU."""
+"""One "auto" training step of every decoder family (some with GQA: 2 key/value heads < 4 devices)
+matches CPU."""
 import copy
 
 import pytest
@@ -17,7 +18,8 @@ def _loss(model, tokens):
     return logits, F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten())
 
 
-@pytest.mark.parametrize("name,kv", [("llama", 2), ("qwen3", 8), ("titan_llama", 2)])
+@pytest.mark.parametrize("name,kv", [("llama", 2), ("qwen3", 8), ("titan_llama", 2), ("mistral", 2), ("qwen2", 8),
+                                     ("gemma", 8), ("gemma2", 2), ("granite", 8), ("cohere", 8)])
 def test_auto_training_step_matches_cpu(name, kv):
     torch.manual_seed(0)
     ref = build(name, kv_heads=kv).train()
