@@ -28,16 +28,16 @@ from .packed import PackedStyle, attach_relayout, relayout_param
 from .plan import Plan
 from .prepare import prepare_for_xla
 from .structure import config_heads, is_conv1d
-from .table import ROLES, Role, build_plan
+from .table import Role, build_plan
 
 FAMILY = "gpt2"
 C_PROJ = {"c_proj.weight": ("tp", None), "c_proj.bias": (None,)}
-ROLES["gpt2_attn"] = Role(PackedStyle(
+ATTN = Role(PackedStyle(
     ShardParams({"c_attn.weight": (None, None, "tp"), "c_attn.bias": (None, "tp"), **C_PROJ},
                 natural_output=Partial()),
     ShardParams({"c_attn.weight": (None, "tp"), "c_attn.bias": ("tp",), **C_PROJ}, natural_output=Partial())),
     (("c_proj.weight", 0),), heads="q")
-TABLE = (("wte", "vocab"), ("attn", "gpt2_attn"), ("mlp.c_fc", "conv_col"), ("mlp.c_proj", "conv_row"),
+TABLE = (("wte", "vocab"), ("attn", ATTN), ("mlp.c_fc", "conv_col"), ("mlp.c_proj", "conv_row"),
          ("lm_head", "head"))
 
 

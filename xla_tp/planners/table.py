@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from torch import nn
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -57,10 +57,13 @@ def pattern(fqn: str) -> str:
     return _INDEX.sub("*", fqn)
 
 
-def role_of(fqn: str, table: Sequence[tuple[str, str]]) -> Optional[str]:
+RoleRef = Union[str, Role]  # a name in ROLES, or a family's own Role
+
+
+def role_of(fqn: str, table: Sequence[tuple[str, RoleRef]]) -> Optional[RoleRef]:
     """The role of the longest table suffix that ends ``fqn`` at a segment boundary."""
     hits = [(len(s), r) for s, r in table if fqn == s or fqn.endswith("." + s)]
-    return max(hits)[1] if hits else None
+    return max(hits, key=lambda hit: hit[0])[1] if hits else None
 
 
 def _failure(mod: nn.Module, role: Role, tp: int, heads: tuple[int, int]) -> Optional[str]:
@@ -76,7 +79,7 @@ def _failure(mod: nn.Module, role: Role, tp: int, heads: tuple[int, int]) -> Opt
     return None
 
 
-def build_plan(model: nn.Module, table: Sequence[tuple[str, str]], tp: int, family: str,
+def build_plan(model: nn.Module, table: Sequence[tuple[str, RoleRef]], tp: int, family: str,
                heads: tuple[int, int] = (0, 0), replicate: Sequence[tuple[str, str]] = (),
                prepare: Optional[Callable[[nn.Module], None]] = None) -> Plan:
     """Apply ``table`` to every module of ``model``; ``replicate`` lists (suffix, reason) kept whole."""
@@ -86,7 +89,7 @@ def build_plan(model: nn.Module, table: Sequence[tuple[str, str]], tp: int, fami
         name = role_of(fqn, table)
         if name is None or not any(True for _ in mod.parameters()):
             continue
-        key, role = pattern(fqn), ROLES[name]
+        key, role = pattern(fqn), name if isinstance(name, Role) else ROLES[name]
         why = failed.get(key) or _failure(mod, role, tp, heads)
         if why:
             failed[key] = why

@@ -20,11 +20,11 @@ from .mha import pack_mha, packable
 from .packed import PackedStyle, attach_relayout
 from .plan import Plan
 from .prepare import prepare_for_xla
-from .table import ROLES, Role, build_plan
+from .table import Role, build_plan
 
 FAMILY = "torch_transformer"
 OUT_PROJ = {"out_proj.weight": (None, "tp"), "out_proj.bias": (None,)}
-ROLES["mha_packed"] = Role(PackedStyle(
+MHA_PACKED = Role(PackedStyle(
     ShardParams({"in_proj_weight": (None, "tp", None), "in_proj_bias": (None, "tp"), **OUT_PROJ},
                 natural_output=Partial()),
     ShardParams({"in_proj_weight": ("tp", None), "in_proj_bias": ("tp",), **OUT_PROJ},
@@ -41,7 +41,7 @@ def detect(model: nn.Module) -> bool:
 def plan(model: nn.Module, tp: int) -> Plan:
     """Packed attention re-laid and split by heads, feed-forward Megatron-split."""
     mha = [(f, m) for f, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)]
-    table = [(f, "mha_packed") for f, m in mha if packable(m)] + [("linear1", "col"), ("linear2", "row")]
+    table = [(f, MHA_PACKED) for f, m in mha if packable(m)] + [("linear1", "col"), ("linear2", "row")]
     skipped = [(f, EXTRAS) for f, m in mha if not packable(m)]
     heads = mha[0][1].num_heads
     built = build_plan(model, table, tp, FAMILY, heads=(heads, heads), replicate=skipped,
