@@ -11,14 +11,9 @@ vocab-sharded logits; position/type embeddings, norms and the pooler replicated.
 """
 from __future__ import annotations
 
-from torch import nn
-
-from .plan import Plan
 from .prepare import prepare_for_xla
-from .structure import config_heads, has
-from .table import build_plan
+from .table import LinearFamily
 
-FAMILY = "bert"
 TABLE = (
     ("word_embeddings", "vocab"),
     ("attention.self.query", "col_heads"), ("attention.self.key", "col_heads"),
@@ -27,12 +22,6 @@ TABLE = (
     ("predictions.decoder", "head"), ("lm_head.decoder", "head"),
 )
 
-
-def detect(model: nn.Module) -> bool:
-    """Self-attention q/k/v and an attention output projection, all ``nn.Linear``."""
-    return all(has(model, s, nn.Linear) for s in ("attention.self.query", "attention.output.dense"))
-
-
-def plan(model: nn.Module, tp: int) -> Plan:
-    """The Megatron plan for a BERT-like encoder on a model axis of size ``tp``."""
-    return build_plan(model, TABLE, tp, FAMILY, heads=config_heads(model), prepare=prepare_for_xla)
+FAMILY = LinearFamily("bert", TABLE, probes=("attention.self.query", "attention.output.dense"),
+                      prepare=prepare_for_xla)
+detect, plan = FAMILY.detect, FAMILY.plan

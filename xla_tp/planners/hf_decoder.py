@@ -11,14 +11,9 @@ replicated. Key/value heads fewer than the axis: k/v replicated. Example::
 """
 from __future__ import annotations
 
-from torch import nn
-
-from .plan import Plan
 from .prepare import prepare_for_xla
-from .structure import config_heads, has
-from .table import build_plan
+from .table import LinearFamily
 
-FAMILY = "hf_decoder"
 TABLE = (
     ("embed_tokens", "vocab"),
     ("self_attn.q_proj", "col_heads"), ("self_attn.k_proj", "col_kv"),
@@ -27,12 +22,6 @@ TABLE = (
     ("lm_head", "head"),
 )
 
-
-def detect(model: nn.Module) -> bool:
-    """q/k/v/o projections and a down projection, all ``nn.Linear``."""
-    return all(has(model, s, nn.Linear) for s in ("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"))
-
-
-def plan(model: nn.Module, tp: int) -> Plan:
-    """The Megatron plan for an HF decoder LM on a model axis of size ``tp``."""
-    return build_plan(model, TABLE, tp, FAMILY, heads=config_heads(model), prepare=prepare_for_xla)
+FAMILY = LinearFamily("hf_decoder", TABLE, probes=("self_attn.q_proj", "self_attn.o_proj", "mlp.down_proj"),
+                      prepare=prepare_for_xla)
+detect, plan = FAMILY.detect, FAMILY.plan

@@ -21,6 +21,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..plan.styles import ShardParams
 from .plan import Plan
+from .structure import config_heads, has
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a leading index stays: "0" must not become "*"
 
@@ -121,3 +122,29 @@ def default_reason(mod: nn.Module) -> str:
     if isinstance(mod, nn.Embedding):
         return "position/type embedding: small, replicated"
     return f"{kind}: no rule of this family shards it"
+
+
+@dataclass(frozen=True)
+class LinearFamily:
+    """A family recognised by ``nn.Linear`` modules at ``probes`` and planned by ``table``.
+
+    Example::
+
+        BERT = LinearFamily("bert", TABLE, probes=("attention.self.query", "attention.output.dense"))
+        BERT.detect(model), BERT.plan(model, tp=4)
+    """
+
+    name: str
+    table: tuple
+    probes: tuple[str, ...]
+    heads: Callable[[nn.Module], tuple[int, int]] = config_heads
+    prepare: Optional[Callable[[nn.Module], None]] = None
+
+    def detect(self, model: nn.Module) -> bool:
+        """Every probe suffix names an ``nn.Linear`` of ``model``."""
+        return all(has(model, s, nn.Linear) for s in self.probes)
+
+    def plan(self, model: nn.Module, tp: int) -> Plan:
+        """The family's plan for ``model`` on a model axis of size ``tp``."""
+        return build_plan(model, self.table, tp, self.name, heads=self.heads(model), prepare=self.prepare)
+

@@ -10,11 +10,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from .plan import Plan
-from .structure import has
-from .table import build_plan
+from .table import LinearFamily
 
-FAMILY = "titan_llama"
 TABLE = (
     ("tok_embeddings", "vocab"),
     ("attention.wq", "col_heads"), ("attention.wk", "col_kv"), ("attention.wv", "col_kv"),
@@ -22,11 +19,6 @@ TABLE = (
     ("feed_forward.w1", "col"), ("feed_forward.w3", "col"), ("feed_forward.w2", "row"),
     ("output", "head"),
 )
-
-
-def detect(model: nn.Module) -> bool:
-    """``attention.wq``/``attention.wo`` and ``feed_forward.w2`` Linears."""
-    return all(has(model, s, nn.Linear) for s in ("attention.wq", "attention.wo", "feed_forward.w2"))
 
 
 def heads(model: nn.Module) -> tuple[int, int]:
@@ -37,6 +29,6 @@ def heads(model: nn.Module) -> tuple[int, int]:
     return 0, 0
 
 
-def plan(model: nn.Module, tp: int) -> Plan:
-    """The Megatron plan for a torchtitan Llama on a model axis of size ``tp``."""
-    return build_plan(model, TABLE, tp, FAMILY, heads=heads(model))
+FAMILY = LinearFamily("titan_llama", TABLE, probes=("attention.wq", "attention.wo", "feed_forward.w2"),
+                      heads=heads)
+detect, plan = FAMILY.detect, FAMILY.plan
