@@ -55,3 +55,16 @@ class MLP(torch.nn.Module):
 
     def forward(self, x):
         return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Tied(torch.nn.Module):
+    """An embedding and an output head sharing one weight ``[vocab, dim]``."""
+
+    def __init__(self, vocab: int = 64, dim: int = 16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.emb(ids))

@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ParallelStyle
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel, PlanError
 
-from .helpers import MLP
+from .helpers import MLP, Tied
 
 
 def snapshot(model: nn.Module):
@@ -84,13 +84,7 @@ def test_non_strict_skips_unmatched_keys_with_a_warning():
 
 
 def test_tied_parameter_with_conflicting_styles():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(32, 16)
-            self.head = nn.Linear(16, 32, bias=False)
-            self.head.weight = self.emb.weight
-    model = Tied()
+    model = Tied(32, 16)
     snap = snapshot(model)
     with pytest.raises(PlanError, match=r"'emb.weight' is shared by 'emb' and 'head'"):
         xla_tp.parallelize_xla(model, {"emb": ColwiseParallel(), "head": ColwiseParallel()},

@@ -11,7 +11,7 @@ import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
 from xla_tp.zoo.llama import Llama, LlamaArgs, precompute_rope, torchtitan_tp_plan
 
-from .helpers import MLP, expected_sharding, grads, max_err, sharding, twin
+from .helpers import MLP, Tied, expected_sharding, grads, max_err, sharding, twin
 
 MLP_PLAN = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
 
@@ -154,16 +154,6 @@ def test_meta_model_is_materialised_sharded():
 
 
 def test_cpu_model_moves_with_ties_kept():
-    class Tied(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(64, 16)
-            self.head = nn.Linear(16, 64, bias=False)
-            self.head.weight = self.emb.weight
-
-        def forward(self, ids):
-            return self.head(self.emb(ids))
-
     ref, model = twin(Tied)
     mesh = xla_tp.make_mesh(model=8)
     xla_tp.parallelize_xla(model, {"emb": RowwiseParallel(), "head": ColwiseParallel()}, mesh=mesh)
