@@ -13,10 +13,15 @@ setup(
         "torch_xla==2.9.0",
         "numpy",
         "pyyaml",
+        "tqdm",  # the launcher's progress bar
     ],
     extras_require={
         "hf": ["transformers==5.23.0"],
-        "test": ["pytest", "transformers==5.23.0", "matplotlib"],  # matplotlib: the bench chart
+        # TPU VMs and Colab TPU runtimes: torch_xla's TPU build and its libtpu (same pin as above)
+        "tpu": ["torch_xla[tpu]==2.9.0", "transformers==5.23.0"],
+        # matplotlib: the bench chart; nbclient/nbformat/ipykernel: the notebook test
+        "test": ["pytest", "transformers==5.23.0", "matplotlib", "nbclient==0.11.0", "nbformat==5.11.1",
+                 "ipykernel==7.4.0"],
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )

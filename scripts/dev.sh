@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Set up .venv (if missing or out of date) and run one of the project's jobs.
-#   bash scripts/dev.sh demo   # the main job: default demo on 8 emulated CPU devices
+#   bash scripts/dev.sh demo   # the main job: xla-tp launch --check (tiny Llama, 8 emulated CPU devices)
 #   bash scripts/dev.sh test   # the test suite
 #   bash scripts/dev.sh bench  # the benchmarks
 set -euo pipefail
@@ -25,7 +25,7 @@ export PJRT_DEVICE="${PJRT_DEVICE:-CPU}" CPU_NUM_DEVICES="${CPU_NUM_DEVICES:-8}"
 export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 py="$venv/bin/python"
 case "$job" in
-  demo)  exec "$py" -m xla_tp.demo "$@" ;;
+  demo)  exec "$py" -m xla_tp.cli launch --check "$@" ;;
   test)  exec "$py" -m pytest -q tests "$@" ;;
   bench) exec "$py" -m bench "$@" ;;
   *) echo "unknown job '$job': use demo, test or bench" >&2; exit 2 ;;

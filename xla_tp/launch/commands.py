@@ -1,0 +1,32 @@
+"""``--print-commands``: the command each TPU VM worker of a slice runs.
+
+A multi-host slice runs one process per worker, all with the same command; they find each other
+through the TPU runtime, and only process 0 logs, draws progress and writes metrics. Example::
+
+    print("\\n".join(worker_commands("llama3-8b", load_topology("v5p-32"), ["steps=100"])))
+    # gcloud compute tpus tpu-vm ssh "$TPU_NAME" --zone="$ZONE" --worker=0 --command='cd ... && ...'
+    # ... one line per worker (4 for v5p-32)
+"""
+from __future__ import annotations
+
+import shlex
+
+from .topology import Topology
+
+
+def launch_command(recipe: str, topology: Topology, overrides: list[str], workdir: str) -> str:
+    """The shell command one worker runs: ``cd WORKDIR && PJRT_DEVICE=TPU xla-tp launch ...``."""
+    args = ["xla-tp", "launch", recipe, "--topology", topology.name, *overrides]
+    return f"cd {workdir} && PJRT_DEVICE=TPU " + " ".join(shlex.quote(a) for a in args)
+
+
+def worker_commands(recipe: str, topology: Topology, overrides: list[str], tpu_name: str = '"$TPU_NAME"',
+                    zone: str = '"$ZONE"', workdir: str = "~/xla_tp") -> list[str]:
+    """A comment header, then one ``gcloud ... ssh --worker=i`` line per TPU VM worker."""
+    inner = launch_command(recipe, topology, overrides, workdir)
+    ssh = f"gcloud compute tpus tpu-vm ssh {tpu_name} --zone={zone}"
+    head = [f"# {topology.name} ({topology.accelerator}): {topology.hosts} TPU VM worker(s) x "
+            f"{topology.chips_per_host} chips = {topology.chips} chips. Start every worker: they wait for each "
+            f"other, and only worker 0 (process 0) prints progress and writes metrics.",
+            f"# All at once: {ssh} --worker=all --command={shlex.quote(inner)}"]
+    return head + [f"{ssh} --worker={i} --command={shlex.quote(inner)}" for i in range(topology.hosts)]

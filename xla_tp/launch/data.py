@@ -1,0 +1,79 @@
+"""Training batches: byte-level text, pre-tokenized ids, or synthetic ids; deterministic per step.
+
+- ``text``: the file's bytes are the tokens (ids 0-255: a byte-level tokenizer that needs no
+  download and no vocabulary file), so the model's vocabulary must be at least 256.
+- ``tokens``: a 1-D ``.npy`` array of token ids (any tokenizer, run beforehand).
+- ``synthetic``: uniform random ids below the vocabulary size (throughput and fit runs).
+
+Batch ``step`` depends only on the seed and the step, so a resumed run sees the data it would have
+seen, and every host of a multi-host slice builds the same global batch (each device then takes
+its shard). ``causal-lm`` targets are the next token; ``masked-lm`` hides 15% of the tokens behind
+the id ``vocab - 1`` and scores only those. Example::
+
+    batches = Batches(DataSpec("text", "data/tiny_corpus.txt"), vocab=256, batch=8, seq_len=64,
+                      seed=0, task="causal-lm")
+    inputs, targets = batches.get(step=0)     # two int64 [8, 64] tensors, targets shifted by one
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .recipe import DataSpec, resolve_path
+from .schema import LaunchError
+
+IGNORE = -100        # target id F.cross_entropy skips
+MASK_FRACTION = 0.15
+
+
+class Batches:
+    """``get(step)`` -> ``(inputs, targets)``, both ``[batch, seq_len]`` int64 on the CPU."""
+
+    def __init__(self, spec: DataSpec, vocab: int, batch: int, seq_len: int, seed: int, task: str):
+        self.kind, self.vocab, self.batch, self.seq_len, self.seed, self.task = (
+            spec.kind, vocab, batch, seq_len, seed, task)
+        limit = vocab - 1 if task == "masked-lm" else vocab   # masked-lm reserves the last id as the mask
+        self.corpus = None
+        if spec.kind == "text":
+            if limit < 256:
+                raise LaunchError(f"data.kind text reads bytes (ids 0-255) but the model's vocabulary is {vocab}"
+                                  f"{' with the last id as the mask' if task == 'masked-lm' else ''}; set "
+                                  f"model.overrides.vocab_size >= {256 + (task == 'masked-lm')}")
+            self.corpus = np.frombuffer(_path(spec).read_bytes(), dtype=np.uint8)
+        elif spec.kind == "tokens":
+            self.corpus = np.load(_path(spec), mmap_mode="r")
+            if self.corpus.ndim != 1 or not np.issubdtype(self.corpus.dtype, np.integer):
+                raise LaunchError(f"data.path {spec.path}: a tokens file is a 1-D integer .npy array, got "
+                                  f"{self.corpus.dtype} {self.corpus.shape}")
+        self.limit = limit
+        if self.corpus is not None and len(self.corpus) <= seq_len + 1:
+            raise LaunchError(f"data.path {spec.path}: {len(self.corpus)} tokens, fewer than seq_len + 2 = "
+                              f"{seq_len + 2}; use a longer file or a shorter seq_len")
+
+    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, step])
+        if self.corpus is None:
+            windows = rng.integers(0, self.limit, (self.batch, self.seq_len + 1))
+        else:
+            starts = rng.integers(0, len(self.corpus) - self.seq_len - 1, self.batch)
+            windows = np.stack([np.asarray(self.corpus[s:s + self.seq_len + 1]) for s in starts]).astype(np.int64)
+            if windows.max() >= self.limit or windows.min() < 0:
+                raise LaunchError(f"data: token id {int(windows.max())} at step {step} is outside the model's "
+                                  f"vocabulary ({self.limit} ids)")
+        windows = torch.from_numpy(windows.astype(np.int64))
+        if self.task == "causal-lm":
+            return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+        inputs = windows[:, :-1].clone()
+        hidden = torch.from_numpy(rng.random(inputs.shape) < MASK_FRACTION)
+        hidden[:, 0] |= ~hidden.any(dim=1)   # every row scores at least one token
+        targets = torch.where(hidden, inputs, torch.full_like(inputs, IGNORE))
+        inputs[hidden] = self.vocab - 1
+        return inputs, targets
+
+
+def _path(spec: DataSpec):
+    path = resolve_path(spec.path)
+    if not path.is_file():
+        raise LaunchError(f"data.path {spec.path!r}: no such file (relative paths are read from the current "
+                          f"directory, then from the repository root)")
+    return path

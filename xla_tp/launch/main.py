@@ -1,0 +1,120 @@
+"""``xla-tp launch RECIPE [--topology NAME] [--dry-run] [--print-commands] [--check] [key=value ...]``.
+
+Steps, in order; nothing heavy happens before the fit check:
+
+1. read the recipe (``key=value`` overrides applied) and the topology; check the mesh and batch;
+2. ``--print-commands``: print the per-worker commands of the slice and stop;
+3. build the model on ``meta``, plan it on the mesh, estimate memory per chip and print the table;
+   a run that will not fit is refused (exit 3) with the numbers and what would make it fit;
+4. print the plan's summary (what the audit reports about parameters, from the plan);
+5. ``--dry-run`` stops here: nothing allocated, nothing compiled. A dry run emulates the slice's
+   chips on the CPU, so it runs anywhere (a laptop, one worker of a multi-host slice);
+6. otherwise: build the model on the CPU, optionally ``--check`` one step against it unsharded,
+   parallelize, audit the compiled forward, and train with progress, JSONL metrics and clean stops.
+
+Exit status: 0 done, 1 ``--check`` failed, 2 bad input, 3 will not fit, 130 stopped by Ctrl-C/SIGTERM.
+Example::
+
+    xla-tp launch                                   # tiny-llama-cpu on 8 emulated CPU devices
+    xla-tp launch llama3-70b --dry-run              # plan + fit on v5p-64, model on meta
+    xla-tp launch llama3-8b --topology v5e-8 batch=4 --print-commands
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import MeshError, PlanError
+from .recipe import DEFAULT_RECIPE, check_for_topology, load_recipe
+from .schema import LaunchError
+from .topology import Topology, load_topology
+
+BAD_INPUT, DOES_NOT_FIT, INTERRUPTED = 2, 3, 130
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``launch`` on the ``xla-tp`` subcommand parser."""
+    p = sub.add_parser("launch", help="train (or dry-run) a recipe on a TPU slice or emulated devices",
+                       description=__doc__.split("\n\n")[0],
+                       epilog="Recipe overrides: key=value anywhere on the line, dotted for nested keys "
+                              "(steps=20 optimizer.lr=1e-3 mesh.model=8).")
+    p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE,
+                   help=f"recipe name from recipes/ or a YAML path (default {DEFAULT_RECIPE})")
+    p.add_argument("--topology", help="tpu_configs/ name or YAML path (default: the recipe's)")
+    p.add_argument("--dry-run", action="store_true", help="stop after the plan, the fit table and the summary")
+    p.add_argument("--print-commands", action="store_true", help="print the command of every TPU VM worker")
+    p.add_argument("--check", action="store_true", help="compare one step with the unsharded CPU model first")
+    p.add_argument("--no-audit", action="store_true", help="skip the compiled-program audit before training")
+    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+    p.add_argument("--run-dir", type=Path, help="where metrics.jsonl goes (default runs/RECIPE-TIME)")
+    p.add_argument("--tpu-name", default='"$TPU_NAME"', help="TPU name for --print-commands")
+    p.add_argument("--zone", default='"$ZONE"', help="zone for --print-commands")
+    p.add_argument("--workdir", default="~/xla_tp", help="repository checkout on the workers, for --print-commands")
+    p.set_defaults(func=launch)
+
+
+def split_recipe(recipe: str, extra: list[str]) -> tuple[str, list[str]]:
+    """The recipe and the ``key=value`` overrides; ``xla-tp launch steps=5`` is the default recipe.
+
+    ``extra`` holds the arguments argparse did not recognise: anything but ``key=value`` is an error.
+    """
+    wrong = [a for a in extra if "=" not in a or a.startswith("-")]
+    if wrong:
+        raise LaunchError(f"unrecognised argument(s) {' '.join(wrong)}; overrides are key=value "
+                          f"(see xla-tp launch --help)")
+    if "=" in recipe:
+        return DEFAULT_RECIPE, [recipe, *extra]
+    return recipe, list(extra)
+
+
+def launch(args: argparse.Namespace) -> int:
+    """The ``launch`` subcommand; returns the exit status. Bad input is one line on stderr, exit 2."""
+    try:
+        return _launch(args)
+    except (PlanError, MeshError) as error:   # LaunchError is a PlanError
+        print(f"xla-tp launch: {error}", file=sys.stderr)
+        return BAD_INPUT
+    except KeyboardInterrupt:                 # a second Ctrl-C during a step, or one before training
+        print("xla-tp launch: interrupted", file=sys.stderr)
+        return INTERRUPTED
+
+
+def _launch(args: argparse.Namespace) -> int:
+    recipe_arg, overrides = split_recipe(args.recipe, args.overrides)
+    recipe = load_recipe(recipe_arg, overrides)
+    topology = load_topology(args.topology or recipe.topology)
+    axes = check_for_topology(recipe, topology)
+    if args.print_commands:
+        from .commands import worker_commands
+        print("\n".join(worker_commands(recipe_arg, topology, overrides, args.tpu_name, args.zone, args.workdir)))
+        return 0
+    prepare_env(topology, args.dry_run)
+    from .session import Session
+    session = Session(recipe, topology, axes)
+    if not session.plan_and_fit():
+        return DOES_NOT_FIT
+    if args.dry_run:
+        session.say("dry run: the model stayed on meta; nothing was allocated or compiled")
+        return 0
+    return session.train(run_dir=args.run_dir, check=args.check, audit=not args.no_audit, resume=args.resume)
+
+
+def prepare_env(topology: Topology, dry_run: bool) -> None:
+    """Process environment before the XLA runtime starts (importing torch_xla has set PJRT_DEVICE:
+    TPU on a TPU VM, CPU elsewhere).
+
+    A real run of a TPU topology on a TPU VM uses the TPU. Everything else runs on the CPU with one
+    emulated device per chip of the slice: dry runs (so they work anywhere, even on one worker of a
+    multi-host slice), ``cpu-N`` topologies, and the fit check of a TPU topology on a machine
+    without one (the run is then refused after the fit check).
+    """
+    os.environ.setdefault("XLA_DUMP_POST_OPTIMIZATIONS", "1")   # the audit reads the partitioned program
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if topology.is_tpu and not dry_run and os.environ.get("PJRT_DEVICE") == "TPU":
+        return
+    os.environ.update(topology.env)
+    os.environ["PJRT_DEVICE"] = "CPU"
+    os.environ["CPU_NUM_DEVICES"] = str(topology.chips)
