@@ -21,11 +21,11 @@ from typing import Any, Optional, TextIO
 class Reporter:
     """Lines, bar and ``metrics.jsonl`` for process 0; nothing at all for the others."""
 
-    def __init__(self, run_dir: Optional[Path], process_index: int = 0, stream: TextIO = sys.stdout,
+    def __init__(self, run_dir: Optional[Path], process_index: int = 0, stream: Optional[TextIO] = None,
                  tty: Optional[bool] = None):
         self.speaks = process_index == 0
-        self.stream = stream
-        self.tty = stream.isatty() if tty is None else tty
+        self.stream = sys.stdout if stream is None else stream
+        self.tty = self.stream.isatty() if tty is None else tty
         self.metrics_path = Path(run_dir) / "metrics.jsonl" if run_dir is not None else None
         self._file: Optional[TextIO] = None
         self._bar: Any = None

@@ -1,0 +1,161 @@
+"""``xla-tp launch`` as users run it: training on cpu-8, Ctrl-C, per-worker commands, process 0 only."""
+import io
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from xla_tp import cli
+from xla_tp.launch import LaunchError, load_recipe, load_topology
+from xla_tp.launch.checkpoints import refuse_unavailable
+from xla_tp.launch.commands import worker_commands
+from xla_tp.launch.data import IGNORE, Batches
+from xla_tp.launch.progress import Reporter
+from xla_tp.launch.recipe import DataSpec
+from xla_tp.launch.session import Session
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+LAUNCH = [sys.executable, "-m", "xla_tp.cli", "launch"]
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_tiny_recipe_trains_logs_jsonl_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """The default recipe on cpu-8: the loss falls, metrics land in JSONL, Ctrl-C ends it with status 130."""
+    proc = subprocess.Popen([*LAUNCH, "tiny-llama-cpu", "--run-dir", str(tmp_path), "steps=100000", "log_interval=3"],
+                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 420
+        while len([r for r in _records(tmp_path / "metrics.jsonl") if "loss" in r]) < 5:
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    records = _records(tmp_path / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps[:5]] == [1, 3, 6, 9, 12]
+    losses = [r["loss"] for r in steps[:5]]
+    assert losses[0] > 5.0 and losses[4] < losses[0] - 1.0, losses   # ln(256) = 5.55 at the start
+    assert all(r["tokens_per_s"] > 0 and r["mfu"] is None for r in steps)   # no peak FLOP/s on CPU
+    assert steps[4]["compiles"] == steps[2]["compiles"], "training steps recompiled after step 6"
+    assert records[-1]["event"] == "stopped" and records[-1]["step"] >= 12
+    assert (tmp_path / "recipe.yaml").exists()
+    assert "memory per chip (estimate)" in out and "plan summary (hf_decoder" in out
+    assert "communication bytes/device" in out                          # the compiled audit ran
+    assert "step      3/100000  loss" in out and "(includes compiling the step)" in out
+    assert "stopped after step" in out and "Traceback" not in err
+
+
+def test_check_against_the_cpu_model_on_four_devices(tmp_path):
+    """--check: one step of the sharded model against the unsharded CPU model (4 devices: own process)."""
+    run = subprocess.run([*LAUNCH, "tiny-llama-cpu", "--topology", "cpu-4", "--check", "--no-audit", "--run-dir",
+                          str(tmp_path), "mesh={data: 2, model: 2}", "steps=0", "check_tolerance=1e-5"],
+                         cwd=ROOT, env={**ENV, "CPU_NUM_DEVICES": "4"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "cpu-4 (4 chips, 1 host(s)), mesh data=2,model=2" in run.stdout
+    assert "check: OK" in run.stdout and "max |grads - CPU|" in run.stdout
+    assert _records(tmp_path / "metrics.jsonl") == [{"event": "done", "step": 0}]
+
+
+def test_print_commands_for_a_four_host_slice(capsys):
+    status = cli.main(["launch", "llama3-8b", "--topology", "v5p-32", "--print-commands", "--tpu-name", "my-tpu",
+                       "--zone", "us-east5-a", "checkpoint.interval=0", "optimizer.lr=1e-4"])
+    assert status == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].startswith("# v5p-32 (v5p-32): 4 TPU VM worker(s) x 4 chips = 16 chips")
+    workers = [line for line in lines if not line.startswith("#")]
+    inner = ("'cd ~/xla_tp && PJRT_DEVICE=TPU xla-tp launch llama3-8b --topology v5p-32 checkpoint.interval=0 "
+             "optimizer.lr=1e-4'")
+    assert workers == [f"gcloud compute tpus tpu-vm ssh my-tpu --zone=us-east5-a --worker={i} --command={inner}"
+                       for i in range(4)]
+    assert f"--worker=all --command={inner}" in lines[1]
+
+
+def test_bad_launch_input_is_one_line_and_status_2(capsys):
+    assert cli.main(["launch", "tiny-llama-cpu", "--topology", "v5p-65"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("xla-tp launch: unknown topology 'v5p-65'") and err.count("\n") == 1
+    assert cli.main(["launch", "tiny-llama-cpu", "--nope"]) == 2
+    assert "unrecognised argument(s) --nope" in capsys.readouterr().err
+
+
+def test_print_commands_quotes_what_the_shell_would_split():
+    lines = worker_commands("r.yaml", load_topology("v6e-16"), ["plan=my plan.yaml"])
+    assert lines[-1].endswith("""--command='cd ~/xla_tp && PJRT_DEVICE=TPU xla-tp launch r.yaml --topology v6e-16 '"'"'plan=my plan.yaml'"'"''""")
+    assert len([line for line in lines if "--worker=" in line and "all" not in line]) == 4
+
+
+def test_only_process_zero_speaks(tmp_path, capsys):
+    """On a multi-host slice every worker runs the launcher: the others print and write nothing."""
+    recipe = load_recipe("tiny-llama-cpu")
+    for index, run_dir in ((1, tmp_path / "p1"), (0, tmp_path / "p0")):
+        session = Session(recipe, load_topology("cpu-8"), {"data": 2, "model": 4}, process_index=index)
+        assert session.plan_and_fit()          # a dry run's steps
+        reporter = Reporter(run_dir, process_index=index, stream=sys.stdout)
+        reporter.start(10)
+        reporter.step(1, {"step": 1, "steps": 10, "loss": 5.5, "lr": 1e-3, "tokens_per_s": 10.0, "mfu": None,
+                          "compiles": 3})
+        reporter.close()
+        out = capsys.readouterr().out
+        if index:
+            assert out == "" and not run_dir.exists()
+        else:
+            assert "memory per chip" in out and "step  1/10  loss 5.5000" in out
+            assert _records(run_dir / "metrics.jsonl")[0]["loss"] == 5.5
+
+
+def test_reporter_draws_a_bar_only_on_a_terminal(tmp_path):
+    stream = io.StringIO()
+    reporter = Reporter(tmp_path, stream=stream, tty=True)
+    reporter.start(4)
+    for step in (1, 2):
+        reporter.step(step, {"step": step, "steps": 4, "loss": 3.0, "lr": 1e-3, "tokens_per_s": 1e3,
+                             "mfu": 0.41, "compiles": 4} if step == 2 else None)
+    reporter.close()
+    assert "2/4" in stream.getvalue() and "MFU 41.0%" in stream.getvalue()
+
+
+def test_resume_and_checkpoints_say_they_are_not_available_yet():
+    recipe = load_recipe("tiny-llama-cpu")
+    refuse_unavailable(recipe, resume=False)      # nothing asked: nothing refused
+    with pytest.raises(LaunchError, match=r"--resume \(start without it\): checkpoints are not available in this "
+                                          r"version of xla_tp \(it has no xla_tp.save_checkpoint / "
+                                          r"xla_tp.load_checkpoint yet\)"):
+        refuse_unavailable(recipe, resume=True)
+    with pytest.raises(LaunchError, match=r"checkpoint.interval=500 \(set checkpoint.interval=0"):
+        refuse_unavailable(load_recipe("llama3-8b"), resume=False)
+
+
+def test_byte_batches_are_shifted_and_deterministic():
+    batches = Batches(DataSpec("text", "data/tiny_corpus.txt"), vocab=256, batch=4, seq_len=32, seed=0,
+                      task="causal-lm")
+    x, y = batches.get(5)
+    assert x.shape == y.shape == (4, 32) and x.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])                 # targets are the next bytes
+    assert torch.equal(batches.get(5)[0], x) and not torch.equal(batches.get(6)[0], x)
+    text = (ROOT / "data" / "tiny_corpus.txt").read_bytes()
+    assert bytes(x[0].tolist()) in text
+
+
+def test_masked_batches_hide_and_score_only_masked_tokens():
+    batches = Batches(DataSpec("synthetic"), vocab=1000, batch=8, seq_len=64, seed=0, task="masked-lm")
+    x, y = batches.get(0)
+    scored = y != IGNORE
+    assert scored.any(dim=1).all() and bool((x[scored] == 999).all()) and not (x[~scored] == 999).any()
+    assert 0.05 < scored.float().mean().item() < 0.3
+
+
+def test_byte_text_needs_a_byte_vocabulary():
+    with pytest.raises(LaunchError, match=r"vocab_size >= 256"):
+        Batches(DataSpec("text", "data/tiny_corpus.txt"), vocab=128, batch=2, seq_len=8, seed=0, task="causal-lm")
