@@ -1,6 +1,6 @@
 """Test session set-up: 8 emulated XLA CPU devices, SPMD on, post-partition HLO readable.
 
-The environment must be set before torch_xla is imported (FACTS.md), and the XLA runtime must
+The environment must be set before torch_xla is imported (README, "torch_xla behaviours"), and the XLA runtime must
 execute something before any CPU backward runs in the process (the CPU-backward trap).
 """
 import os

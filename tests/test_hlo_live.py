@@ -20,7 +20,7 @@ from xla_tp.audit.hlo import (capture_partitioned_hlo, collective_summary, dot_f
 
 if not xr.is_spmd():
     xr.use_spmd()
-(torch.ones(1, device=torch_xla.device()) * 2).cpu()  # FACTS.md: run XLA once before any backward
+(torch.ones(1, device=torch_xla.device()) * 2).cpu()  # the CPU-backward trap: run XLA once first
 
 AXES = ("data", "model")
 BATCH, HIDDEN, FFN = 8, 16, 32

@@ -1,4 +1,4 @@
-"""The public names DESIGN.md promises are importable from xla_tp itself."""
+"""The public names the README documents are importable from xla_tp itself."""
 import torch
 
 import xla_tp

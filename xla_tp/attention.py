@@ -2,7 +2,7 @@
 
 HF's eager and sdpa attention run ``matmul`` on ``[B, H, S, D]`` tensors; XLA lowers that batched
 matmul through a reshape merging batch and heads, which hides the head sharding from GSPMD: every
-layer then all-gathers q, k and v and runs attention replicated (FACTS.md). Two einsums keep the
+layer then all-gathers q, k and v and runs attention replicated (README). Two einsums keep the
 head dimension visible, so a column-parallel q/k/v and a row-parallel output projection compile to
 the Megatron minimum of 2 all-reduces per layer. Numerics are eager attention's: same scaling,
 additive or boolean mask, float32 softmax, GQA by repeating k/v heads, dropout only in training.

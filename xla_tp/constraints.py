@@ -2,7 +2,8 @@
 
 Each placement in a ``ModuleLayout`` chain becomes one ``ShardingConstraint``: a copy of the
 activation annotated with the placement's spec, whose gradient is annotated the same way in
-backward (a plain ``mark_sharding`` would constrain the forward value only, FACTS.md).
+backward (a plain ``mark_sharding`` would constrain the forward value only: see the
+README, "torch_xla behaviours xla_tp works around").
 Hooks run on every traced step, so they do as little as possible: precomputed chains, one
 spec per tensor, no allocation beyond the annotated copy. Example::
 

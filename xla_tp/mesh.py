@@ -33,7 +33,7 @@ def canonical_axis(name: str) -> str:
 def ensure_runtime() -> None:
     """Turn SPMD on and execute one tiny XLA computation, once per process.
 
-    The computation avoids the CPU-backward trap of FACTS.md: a CPU autograd backward that runs
+    The computation avoids the CPU-backward trap (README, "torch_xla behaviours"): a CPU backward that runs
     before the XLA runtime has executed anything breaks every later XLA backward.
     """
     global _runtime_ready

@@ -100,6 +100,9 @@ def _main(src: str, dst: str) -> None:
     from .run import audit_here
 
     ensure_runtime()
+    if "transformers" in sys.modules or _importable("transformers"):
+        from ..attention import register
+        register()   # a model "auto" switched to einsum attention names it in its config
     payload = torch.load(src, weights_only=False)
     ids, shape, names = payload["mesh"]
     mesh = xs.Mesh(np.asarray(ids), shape, names)
@@ -117,6 +120,11 @@ def _main(src: str, dst: str) -> None:
         args.append(a)
     report = audit_here(module, tuple(args), mesh, payload["backward"], payload["layout"])
     Path(dst).write_text(json.dumps(report.to_dict()))
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+    return importlib.util.find_spec(name) is not None
 
 
 if __name__ == "__main__":

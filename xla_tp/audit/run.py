@@ -6,7 +6,7 @@ gradients come from ``torch.autograd.grad`` (no ``.grad`` is written), the XLA R
 back, temporary hooks are removed, and the captured tensors are dropped uncomputed.
 
 Reading post-partition HLO needs ``XLA_DUMP_POST_OPTIMIZATIONS=1`` from the process's first HLO
-query on (FACTS.md). When it is not set, ``audit`` does not set it (that would change what every
+query on (README, "torch_xla behaviours"). When it is not set, ``audit`` does not set it (that would change what every
 later HLO dump of the user's process returns): it replays the module in a fresh CPU process with
 the same device count (``xla_tp.audit.child``). Example::
 

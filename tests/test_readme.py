@@ -1,0 +1,87 @@
+"""The README stands alone: its Python runs, its paths and links exist, its layout matches the tree."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+
+
+def test_every_python_block_runs_in_order():
+    """As a reader pastes them, one after the other, in a process with only the documented environment."""
+    code = "\n".join(blocks("python"))
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "family: hf_decoder" in run.stdout and "communication bytes/device" in run.stdout
+
+
+def _slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_and_anchors_resolve():
+    anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", README, re.M)}
+    for target in re.findall(r"\]\(([^)]+)\)", README):
+        if target.startswith(("http://", "https://")):
+            continue
+        if target.startswith("#"):
+            assert target[1:] in anchors, f"README links to a missing heading {target}"
+        else:
+            assert (ROOT / target).exists(), f"README links to a missing path {target}"
+
+
+def repo_paths_in_code_spans() -> list[str]:
+    """Code spans that name something in the repository: their first segment is a top-level entry
+    (``recipes/``, ``xla_tp/launch/fit.py``, ``setup.py``), or they climb out of it (``../x``)."""
+    top = {p.name for p in ROOT.iterdir()}
+    spans = re.findall(r"`([^`\s]+)`", README)
+    return [s for s in spans if s.startswith("../") or (s.split("/")[0] in top and ("/" in s or "." in s))]
+
+
+def test_every_path_the_readme_names_exists():
+    paths = repo_paths_in_code_spans()
+    assert {"xla_tp/planners/", ".ci/run"} <= set(paths)
+    missing = [p for p in paths if not (ROOT / p.rstrip("/")).resolve().is_relative_to(ROOT)
+               or not (ROOT / p.rstrip("/")).exists()]
+    assert not missing, f"README names paths that are not in the repository: {missing}"
+
+
+def test_the_layout_block_matches_the_tree():
+    layout = README.split("## Layout of the code", 1)[1]
+    tree = re.search(r"```\n(.*?)```", layout, re.S).group(1)
+    parents: list[str] = []
+    listed = []
+    for line in tree.splitlines():
+        depth = (len(line) - len(line.lstrip(" "))) // 2
+        name = line.split()[0]
+        parents = parents[:depth]
+        path = "/".join([*parents, name.rstrip("/")])
+        listed.append(path)
+        assert (ROOT / path).exists(), f"the README's layout lists {path}, which is not in the tree"
+        if name.endswith("/"):
+            parents.append(name.rstrip("/"))
+    # every package module and top-level entry is listed (new files get a line)
+    for module in sorted((ROOT / "xla_tp" / "launch").glob("*.py")):
+        if module.name != "__init__.py":
+            assert f"xla_tp/launch/{module.name}" in listed, f"{module.name} is missing from the layout"
+    for entry in ROOT.iterdir():
+        if not entry.name.startswith(".") or entry.name == ".ci":
+            if entry.name not in (".venv", "runs", "README.md", "build", "dist") and not entry.name.endswith(".egg-info") \
+                    and entry.name != "__pycache__":
+                assert entry.name in listed, f"top-level {entry.name} is missing from the layout"
+
+
+def test_nothing_points_outside_the_repository():
+    files = [p for p in ROOT.rglob("*") if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".ipynb", ".sh")
+             and ".venv" not in p.parts and "runs" not in p.parts]
+    offenders = [str(p.relative_to(ROOT)) for p in files
+                 if re.search(r"\.\./shared|FACTS\.md|DESIGN\.md", p.read_text(errors="ignore"))
+                 and p.name != "test_readme.py"]
+    assert not offenders, f"references to files outside the repository in {offenders}"
