@@ -6,7 +6,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 import xla_tp
 from xla_tp.launch import load_recipe, load_topology
@@ -14,6 +13,7 @@ from xla_tp.launch.fit import FitSettings, estimate, suggest
 from xla_tp.launch.model import build_model, hf_config, model_shape
 from xla_tp.launch.plans import plan_input, plan_specs
 from xla_tp.launch.session import estimator
+from xla_tp.launch.train import Loop, flops_per_token, lr_factor
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
@@ -131,3 +131,21 @@ def test_70b_dry_run_on_v5p_64_stays_on_meta():
     assert "only process 0 logs" in out and "nothing was allocated or compiled" in out
     peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     assert max(peak_kib, before) < 3 * 2**20, f"dry run peaked at {peak_kib / 2**20:.1f} GiB"   # 70B bf16 is 131 GiB
+
+
+def test_flops_per_token_and_mfu_by_hand(tiny):
+    recipe, shape, meta = tiny
+    # 6 * N (parameters that multiply: all but the untied input embedding, 256*64) + 12 * layers * width * seq
+    n = 2 * 256 * 64 + 2 * 40960 + 320 - 256 * 64
+    assert flops_per_token(meta, shape, 16) == 6 * n + 12 * 2 * 64 * 16
+    loop = Loop(None, None, None, None, None, recipe, None, flops_per_token=1000, peak_flops=1e6)
+    m = loop._metrics(step=4, loss=2.5, lr=1e-3, seconds=2.0, steps=2, elapsed=9.0)
+    assert m["tokens_per_s"] == 2 * 8 * 16 / 2.0                  # two steps of batch 8 x seq 16 in 2 s
+    assert m["mfu"] == pytest.approx(m["tokens_per_s"] * 1000 / 1e6)
+
+
+def test_learning_rate_schedule():
+    spec = load_recipe("tiny-llama-cpu").optimizer                 # warm-up 10 steps, cosine
+    assert [lr_factor(spec, 100, s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
+    assert lr_factor(spec, 100, 10) == pytest.approx(1.0) and lr_factor(spec, 100, 100) == pytest.approx(0.1)
+    assert lr_factor(load_recipe("tiny-llama-cpu", ["optimizer.schedule=constant"]).optimizer, 100, 90) == 1.0

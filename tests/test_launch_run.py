@@ -30,7 +30,8 @@ def _records(path: Path) -> list[dict]:
 
 def test_tiny_recipe_trains_logs_jsonl_and_stops_cleanly_on_ctrl_c(tmp_path):
     """The default recipe on cpu-8: the loss falls, metrics land in JSONL, Ctrl-C ends it with status 130."""
-    proc = subprocess.Popen([*LAUNCH, "tiny-llama-cpu", "--run-dir", str(tmp_path), "steps=100000", "log_interval=3"],
+    proc = subprocess.Popen([*LAUNCH, "tiny-llama-cpu", "--run-dir", str(tmp_path), "steps=100000", "log_interval=3",
+                             "model.overrides.num_hidden_layers=2"],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 420

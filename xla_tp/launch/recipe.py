@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from .schema import LaunchError, build, choice, did_you_mean, positive
+from .schema import LaunchError, build, choice, find_yaml, positive, read_yaml, shipped_names
 from .topology import Topology, check_mesh
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -97,24 +97,12 @@ class Recipe:
 
 def recipe_names() -> list[str]:
     """Names of the shipped recipes (file stems of ``recipes/``), sorted."""
-    return sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
-
-
-def recipe_path(name_or_path: Union[str, Path]) -> Path:
-    """The file of a shipped recipe name or a path; LaunchError listing the recipes otherwise."""
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
-        path = RECIPE_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        names = recipe_names()
-        raise LaunchError(f"unknown recipe {str(name_or_path)!r}{did_you_mean(str(name_or_path), names)}; "
-                          f"known: {', '.join(names)} (or a path to a recipe YAML file)")
-    return path
+    return shipped_names(RECIPE_DIR)
 
 
 def load_recipe(name_or_path: Union[str, Path], overrides: Optional[list[str]] = None) -> Recipe:
     """Read a recipe (following ``extends``), apply ``key=value`` overrides, check every key."""
-    path = recipe_path(name_or_path)
+    path = find_yaml(name_or_path, RECIPE_DIR, "recipe")
     data = _read_with_base(path, seen=())
     for item in overrides or ():
         apply_override(data, item)
@@ -126,16 +114,13 @@ def load_recipe(name_or_path: Union[str, Path], overrides: Optional[list[str]] =
 def _read_with_base(path: Path, seen: tuple[Path, ...]) -> dict[str, Any]:
     if path in seen:
         raise LaunchError(f"{path}: 'extends' loops back to itself ({' -> '.join(map(str, (*seen, path)))})")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        raise LaunchError(f"{path}: not valid YAML: {error}") from None
+    data = read_yaml(path) or {}
     if not isinstance(data, dict):
         raise LaunchError(f"{path}: a recipe is a mapping of keys to values")
     base = data.pop("extends", None)
     if base is None:
         return data
-    return merge(_read_with_base(recipe_path(base), (*seen, path)), data)
+    return merge(_read_with_base(find_yaml(base, RECIPE_DIR, "recipe"), (*seen, path)), data)
 
 
 def merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:

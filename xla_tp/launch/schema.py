@@ -16,7 +16,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import typing
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
+
+import yaml
 
 from ..errors import PlanError
 
@@ -106,3 +109,29 @@ def positive(value: Optional[Union[int, float]], where: str, zero_ok: bool = Fal
     """Refuse a negative (or zero, unless ``zero_ok``) number, naming ``where``."""
     if value is not None and (value < 0 or (value == 0 and not zero_ok)):
         raise LaunchError(f"{where}: must be {'>= 0' if zero_ok else '> 0'}, got {value!r}")
+
+
+def shipped_names(directory: Path) -> list[str]:
+    """Stems of the YAML files in ``directory`` (the shipped recipes or topologies), sorted."""
+    return sorted(p.stem for p in directory.glob("*.yaml"))
+
+
+def find_yaml(name_or_path: Union[str, Path], directory: Path, kind: str) -> Path:
+    """A shipped ``kind`` by name (``directory/NAME.yaml``) or a YAML path; LaunchError listing the names."""
+    path = Path(name_or_path)
+    if path.suffix not in (".yaml", ".yml"):
+        path = directory / f"{name_or_path}.yaml"
+    if not path.is_file():
+        names = shipped_names(directory)
+        raise LaunchError(f"unknown {kind} {str(name_or_path)!r}{did_you_mean(str(name_or_path), names)}; "
+                          f"known: {', '.join(names)} (or a path to a {kind} YAML file like "
+                          f"{directory.name}/{names[0]}.yaml)")
+    return path
+
+
+def read_yaml(path: Path) -> Any:
+    """The YAML document in ``path``; LaunchError naming the file when it does not parse."""
+    try:
+        return yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise LaunchError(f"{path}: not valid YAML: {error}") from None

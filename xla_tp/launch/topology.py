@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-import yaml
-
 from ..mesh import AXIS_ORDER
-from .schema import LaunchError, build, did_you_mean
+from .schema import LaunchError, build, did_you_mean, find_yaml, read_yaml, shipped_names
 
 TOPOLOGY_DIR = Path(__file__).resolve().parents[2] / "tpu_configs"
 GiB = 1 << 30
@@ -55,23 +53,13 @@ class Topology:
 
 def topology_names() -> list[str]:
     """Names of the shipped topologies (file stems of ``tpu_configs/``), sorted."""
-    return sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml"))
+    return shipped_names(TOPOLOGY_DIR)
 
 
 def load_topology(name_or_path: Union[str, Path]) -> Topology:
     """A shipped topology by name (``"v5e-8"``) or a YAML file path, validated."""
-    path = Path(name_or_path)
-    if path.suffix not in (".yaml", ".yml"):
-        path = TOPOLOGY_DIR / f"{name_or_path}.yaml"
-    if not path.is_file():
-        names = topology_names()
-        raise LaunchError(f"unknown topology {str(name_or_path)!r}{did_you_mean(str(name_or_path), names)}; "
-                          f"known: {', '.join(names)} (or a path to a YAML file like tpu_configs/v5e-8.yaml)")
-    try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as error:
-        raise LaunchError(f"{path}: not valid YAML: {error}") from None
-    topo = build(Topology, {**(data or {}), "name": path.stem}, str(path))
+    path = find_yaml(name_or_path, TOPOLOGY_DIR, "topology")
+    topo = build(Topology, {**(read_yaml(path) or {}), "name": path.stem}, str(path))
     check_topology(topo, str(path))
     return topo
 

@@ -137,12 +137,13 @@ class Loop:
         try:
             with StopFlag() as flag:
                 while step < r.steps and not flag.stop:
+                    lr = self.optimizer.param_groups[0]["lr"]   # this step's learning rate
                     loss = self._step(loss_fn, step)
                     step += 1
                     if step % r.log_interval == 0 or step in (start_step + 1, r.steps) or flag.stop:
                         value = loss.item()   # waits for the step: the interval's time is device time
                         now = time.perf_counter()
-                        metrics = self._metrics(step, value, now - last_time, step - last_step, now - t0)
+                        metrics = self._metrics(step, value, lr, now - last_time, step - last_step, now - t0)
                         self.reporter.step(step, {**metrics, "first": step == start_step + 1})
                         last_time, last_step = now, step
                     else:
@@ -168,10 +169,11 @@ class Loop:
         torch_xla.sync()
         return loss
 
-    def _metrics(self, step: int, loss: float, seconds: float, steps: int, elapsed: float) -> dict[str, Any]:
+    def _metrics(self, step: int, loss: float, lr: float, seconds: float, steps: int,
+                 elapsed: float) -> dict[str, Any]:
         compiles = met.metric_data("CompileTime")
         tokens_per_s = steps * self.recipe.batch * self.recipe.seq_len / max(seconds, 1e-9)
         mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / self.peak_flops
-        return {"step": step, "steps": self.recipe.steps, "loss": loss, "lr": self.schedule.get_last_lr()[0],
+        return {"step": step, "steps": self.recipe.steps, "loss": loss, "lr": lr,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": round(elapsed, 3),
                 "compiles": int(compiles[0]) if compiles else 0}
