@@ -7,8 +7,9 @@ tests the sharding, not the precision or the optimizer: SGD, because Adam's firs
 ``lr * sign(grad)`` and turns float noise on near-zero gradients into full-size differences.
 Example::
 
-    errors = compare_one_step(cpu_model, sharded_model, batch, mesh, loss_fn)
-    max(errors.values()) <= recipe.check_tolerance
+    errors = compare_one_step(cpu_model, lambda m: xla_tp.parallelize_xla(m, "auto", mesh=mesh),
+                              inputs, targets, lambda t: to_device(t, mesh), loss_fn)
+    max(errors.values()) <= recipe.check_tolerance      # {"logits": 6e-07, "loss": 0.0, ...}
 """
 from __future__ import annotations
 

@@ -27,6 +27,6 @@ def worker_commands(recipe: str, topology: Topology, overrides: list[str], tpu_n
     ssh = f"gcloud compute tpus tpu-vm ssh {tpu_name} --zone={zone}"
     head = [f"# {topology.name} ({topology.accelerator}): {topology.hosts} TPU VM worker(s) x "
             f"{topology.chips_per_host} chips = {topology.chips} chips. Start every worker: they wait for each "
-            f"other, and only worker 0 (process 0) prints progress and writes metrics.",
+            f"other, and only process 0 prints progress and writes metrics.",
             f"# All at once: {ssh} --worker=all --command={shlex.quote(inner)}"]
     return head + [f"{ssh} --worker={i} --command={shlex.quote(inner)}" for i in range(topology.hosts)]

@@ -7,7 +7,7 @@ dimension, see ``xla_tp.load_rules``). Example::
 
     plan = plan_input(recipe)                      # "auto", "hf" or a plan dict
     planned = plan_specs(meta_model, plan, mesh)   # specs per parameter, without touching the model
-    planned.specs["model.layers.0.self_attn.q_proj.weight"]    # ('model', 'fsdp')
+    planned.specs["model.layers.0.self_attn.q_proj.weight"]    # ('model', 'fsdp') on fsdp x model
 """
 from __future__ import annotations
 

@@ -7,7 +7,8 @@ Example::
 
     reporter = Reporter(run_dir, process_index=0)
     reporter.start(total_steps=100)
-    reporter.step(10, {"step": 10, "loss": 2.9, "tokens_per_s": 5321.0, "mfu": None})
+    reporter.step(10, {"step": 10, "steps": 100, "loss": 2.9, "lr": 3e-3, "tokens_per_s": 5321.0,
+                       "mfu": None, "compiles": 4})
     reporter.close()      # run_dir/metrics.jsonl holds one JSON object per logged step
 """
 from __future__ import annotations
