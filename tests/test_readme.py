@@ -67,15 +67,13 @@ def test_the_layout_block_matches_the_tree():
         assert (ROOT / path).exists(), f"the README's layout lists {path}, which is not in the tree"
         if name.endswith("/"):
             parents.append(name.rstrip("/"))
-    # every package module and top-level entry is listed (new files get a line)
-    for module in sorted((ROOT / "xla_tp" / "launch").glob("*.py")):
-        if module.name != "__init__.py":
-            assert f"xla_tp/launch/{module.name}" in listed, f"{module.name} is missing from the layout"
-    for entry in ROOT.iterdir():
-        if not entry.name.startswith(".") or entry.name == ".ci":
-            if entry.name not in (".venv", "runs", "README.md", "build", "dist") and not entry.name.endswith(".egg-info") \
-                    and entry.name != "__pycache__":
-                assert entry.name in listed, f"top-level {entry.name} is missing from the layout"
+    # every module of the package, of the launcher, and every top-level entry has a line (add yours)
+    for entry in [*(ROOT / "xla_tp").iterdir(), *(ROOT / "xla_tp" / "launch").glob("*.py"), *ROOT.iterdir()]:
+        path = str(entry.relative_to(ROOT))
+        ignored = entry.name in ("__pycache__", ".git", ".gitignore", ".venv", "runs", "README.md", "build", "dist",
+                                 ".pytest_cache") or entry.name.endswith(".egg-info")
+        if not ignored and entry.name != "__init__.py" or path == "xla_tp/__init__.py":
+            assert path in listed, f"{path} is missing from the README's layout"
 
 
 def test_nothing_points_outside_the_repository():

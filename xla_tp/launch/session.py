@@ -104,7 +104,7 @@ class Session:
             return CHECK_FAILED
         start = time.perf_counter()
         xla_tp.parallelize_xla(model, self.plan, mesh=self.mesh)
-        self.say(f"\nparallelized in {time.perf_counter() - start:.1f}s")
+        self.say(f"\nparallelized in {time.perf_counter() - start:.2f}s")
         if audit:
             inputs, _ = batches.get(0)
             self.say(str(xla_tp.audit(model, to_device(inputs, self.mesh), mesh=self.mesh)))
