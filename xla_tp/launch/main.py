@@ -38,7 +38,8 @@ BAD_INPUT, DOES_NOT_FIT, INTERRUPTED = 2, 3, 130
 def add_parser(sub: Any) -> None:
     """Register ``launch`` on the ``xla-tp`` subcommand parser."""
     p = sub.add_parser("launch", help="train (or dry-run) a recipe on a TPU slice or emulated devices",
-                       description=__doc__.split("\n\n")[0],
+                       description="Train (or dry-run) a recipe on a TPU slice or emulated devices: fit check "
+                                   "first, then progress, JSONL metrics and clean stops.",
                        epilog="Recipe overrides: key=value anywhere on the line, dotted for nested keys "
                               "(steps=20 optimizer.lr=1e-3 mesh.model=8).")
     p.add_argument("recipe", nargs="?", default=DEFAULT_RECIPE,
@@ -48,7 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--print-commands", action="store_true", help="print the command of every TPU VM worker")
     p.add_argument("--check", action="store_true", help="compare one step with the unsharded CPU model first")
     p.add_argument("--no-audit", action="store_true", help="skip the compiled-program audit before training")
-    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint")
+    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint (not available in this version)")
     p.add_argument("--run-dir", type=Path, help="where metrics.jsonl goes (default runs/RECIPE-TIME)")
     p.add_argument("--tpu-name", default='"$TPU_NAME"', help="TPU name for --print-commands")
     p.add_argument("--zone", default='"$ZONE"', help="zone for --print-commands")
