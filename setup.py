@@ -16,7 +16,9 @@ setup(
     ],
     extras_require={
         "hf": ["transformers==5.23.0"],
-        "test": ["pytest", "transformers==5.23.0", "matplotlib"],  # matplotlib: the bench chart
+        "jax": ["jax==0.7.1", "jaxlib==0.7.1"],
+        "test": ["pytest", "transformers==5.23.0", "matplotlib",  # matplotlib: the bench chart
+                 "jax==0.7.1", "jaxlib==0.7.1"],
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )
