@@ -23,6 +23,7 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
+import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
 from torch.func import functional_call
@@ -115,7 +116,6 @@ class _Annotations:
                      and not sharding_string(t)]
 
     def restore(self) -> None:
-        import torch_xla
         for t in self.bare:
             torch_xla._XLAC._xla_clear_sharding(t)
 
