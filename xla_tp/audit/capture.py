@@ -77,9 +77,14 @@ def partition_with_jaxlib(hlo_text: str, partitions: int) -> str:
     build.allow_spmd_sharding_propagation_to_output = [True]
     devices = client.devices()[:partitions]
     build.device_assignment = _jax.DeviceAssignment.create(np.array([[d.id for d in devices]]))
-    module = _jax.hlo_module_from_text(hlo_text)
-    mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
-    executable = client.compile_and_load(mlir, _jax.DeviceList(tuple(devices)), options)
+    try:
+        module = _jax.hlo_module_from_text(hlo_text)
+        mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+        executable = client.compile_and_load(mlir, _jax.DeviceList(tuple(devices)), options)
+    except Exception as error:  # jaxlib raises its own XlaRuntimeError / ValueError types
+        raise RuntimeError(f"jaxlib's XLA could not compile the program torch_xla produced ({error}); set "
+                           f"XLA_DUMP_POST_OPTIMIZATIONS=1 before the process starts so torch_xla compiles "
+                           f"it itself") from error
     return executable.hlo_modules()[0].to_string()
 
 
