@@ -99,5 +99,5 @@ def test_capture_with_and_without_post_optimization_flag(post_optimizations, spm
 
 def test_a_program_jaxlib_cannot_compile_names_the_way_out():
     from xla_tp.audit.capture import partition_with_jaxlib
-    with pytest.raises(RuntimeError, match="could not compile.*XLA_DUMP_POST_OPTIMIZATIONS=1"):
+    with pytest.raises(RuntimeError, match="(?s)could not compile.*XLA_DUMP_POST_OPTIMIZATIONS=1"):
         partition_with_jaxlib("HloModule broken\n\nENTRY %e { ROOT %x = f32[] nonsense() }", 8)
