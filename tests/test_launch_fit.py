@@ -15,8 +15,9 @@ from xla_tp.launch.plans import plan_input, plan_specs
 from xla_tp.launch.session import estimator
 from xla_tp.launch.train import Loop, flops_per_token, lr_factor
 
+from .fresh import user_env
+
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 
 # Megatron by hand, as a rule mapping (per-dimension mesh axes): vocab-parallel embedding and head,
 # column-parallel q/k/v/gate/up, row-parallel o/down; norms replicated.
@@ -103,7 +104,7 @@ def test_suggestions_name_overrides_that_fit(tiny):
 
 
 def _launch(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "xla_tp.cli", "launch", *args], cwd=ROOT, env=ENV,
+    return subprocess.run([sys.executable, "-m", "xla_tp.cli", "launch", *args], cwd=ROOT, env=user_env(),
                           capture_output=True, text=True, timeout=timeout)
 
 

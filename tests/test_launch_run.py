@@ -19,8 +19,9 @@ from xla_tp.launch.progress import Reporter
 from xla_tp.launch.recipe import DataSpec
 from xla_tp.launch.session import Session
 
+from .fresh import user_env
+
 ROOT = Path(__file__).resolve().parents[1]
-ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 LAUNCH = [sys.executable, "-m", "xla_tp.cli", "launch"]
 
 
@@ -32,7 +33,7 @@ def test_tiny_recipe_trains_logs_jsonl_and_stops_cleanly_on_ctrl_c(tmp_path):
     """The default recipe on cpu-8: the loss falls, metrics land in JSONL, Ctrl-C ends it with status 130."""
     proc = subprocess.Popen([*LAUNCH, "tiny-llama-cpu", "--run-dir", str(tmp_path), "steps=100000", "log_interval=3",
                              "model.overrides.num_hidden_layers=2"],
-                            cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 420
         while len([r for r in _records(tmp_path / "metrics.jsonl") if "loss" in r]) < 5:
@@ -62,7 +63,7 @@ def test_check_against_the_cpu_model_on_four_devices(tmp_path):
     """--check: one step of the sharded model against the unsharded CPU model (4 devices: own process)."""
     run = subprocess.run([*LAUNCH, "tiny-llama-cpu", "--topology", "cpu-4", "--check", "--no-audit", "--run-dir",
                           str(tmp_path), "mesh={data: 2, model: 2}", "steps=0", "check_tolerance=1e-5"],
-                         cwd=ROOT, env={**ENV, "CPU_NUM_DEVICES": "4"}, capture_output=True, text=True, timeout=600)
+                         cwd=ROOT, env=user_env(4), capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "cpu-4 (4 chips, 1 host(s)), mesh data=2,model=2" in run.stdout
     assert "check: OK" in run.stdout and "max |grads - CPU|" in run.stdout

@@ -5,6 +5,8 @@ from pathlib import Path
 import nbformat
 from nbclient import NotebookClient
 
+from .fresh import user_env
+
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
 
@@ -13,8 +15,7 @@ def test_quickstart_notebook_executes():
     nb = nbformat.read(NOTEBOOK, as_version=4)
     # The kernel gets what a user's environment has, plus this checkout on the import path (in place of
     # the install cell's `pip install -e .[tpu]`, which it then skips).
-    env = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PATH": "/usr/bin:/bin", "HOME": str(Path.home()),
-           "PYTHONPATH": str(ROOT)}
+    env = {**user_env(), "PYTHONPATH": str(ROOT)}
     client = NotebookClient(nb, timeout=600, kernel_name="python3",
                             resources={"metadata": {"path": str(NOTEBOOK.parent)}})
     client.execute(env=env)

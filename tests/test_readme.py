@@ -1,12 +1,11 @@
 """The README stands alone: its Python runs, its paths and links exist, its layout matches the tree."""
 import re
-import subprocess
-import sys
 from pathlib import Path
+
+from .fresh import run_fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-ENV = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "8", "PATH": "/usr/bin:/bin", "HOME": str(Path.home())}
 
 
 def blocks(language: str) -> list[str]:
@@ -15,11 +14,8 @@ def blocks(language: str) -> list[str]:
 
 def test_every_python_block_runs_in_order():
     """As a reader pastes them, one after the other, in a process with only the documented environment."""
-    code = "\n".join(blocks("python"))
-    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                         timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
-    assert "family: hf_decoder" in run.stdout and "communication bytes/device" in run.stdout
+    out = run_fresh("\n".join(blocks("python")), timeout=900)
+    assert "family: hf_decoder" in out and "communication bytes/device" in out
 
 
 def _slug(heading: str) -> str:
