@@ -1,5 +1,5 @@
 """The fit check: numbers against a hand computation, a refusal with numbers, a 70B dry run on meta."""
-import resource
+import os
 import subprocess
 import sys
 import time
@@ -118,35 +118,20 @@ def test_70b_on_v5e_8_is_refused_with_numbers():
     assert "training" not in out
 
 
-def test_70b_dry_run_on_v5p_64_stays_on_meta():
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+def test_70b_dry_run_on_v5p_64_stays_on_meta(tmp_path):
+    log = tmp_path / "out.txt"
     start = time.perf_counter()
-    run = _launch("llama3-70b", "--dry-run")
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "xla_tp.cli", "launch", "llama3-70b", "--dry-run"], cwd=ROOT,
+                                env=user_env(), stdout=out, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(proc.pid, 0)       # this child's own peak memory, nobody else's
     seconds = time.perf_counter() - start
-    assert run.returncode == 0, run.stdout + run.stderr
+    out = log.read_text()
+    assert os.waitstatus_to_exitcode(status) == 0, out
     assert seconds < 60
-    out = run.stdout
     assert "v5p-64 (32 chips, 8 host(s)), mesh fsdp=8,model=4" in out
     assert "70,553.7 M parameters on meta" in out and "=> fits" in out
     assert "ratio 1.000" in out                       # every parameter split over all 32 chips
     assert "only process 0 logs" in out and "nothing was allocated or compiled" in out
-    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    assert max(peak_kib, before) < 3 * 2**20, f"dry run peaked at {peak_kib / 2**20:.1f} GiB"   # 70B bf16 is 131 GiB
-
-
-def test_flops_per_token_and_mfu_by_hand(tiny):
-    recipe, shape, meta = tiny
-    # 6 * N (parameters that multiply: all but the untied input embedding, 256*64) + 12 * layers * width * seq
-    n = 2 * 256 * 64 + 2 * 40960 + 320 - 256 * 64
-    assert flops_per_token(meta, shape, 16) == 6 * n + 12 * 2 * 64 * 16
-    loop = Loop(None, None, None, None, None, recipe, None, flops_per_token=1000, peak_flops=1e6)
-    m = loop._metrics(step=4, loss=2.5, lr=1e-3, seconds=2.0, steps=2, elapsed=9.0)
-    assert m["tokens_per_s"] == 2 * 8 * 16 / 2.0                  # two steps of batch 8 x seq 16 in 2 s
-    assert m["mfu"] == pytest.approx(m["tokens_per_s"] * 1000 / 1e6)
-
-
-def test_learning_rate_schedule():
-    spec = load_recipe("tiny-llama-cpu").optimizer                 # warm-up 10 steps, cosine
-    assert [lr_factor(spec, 100, s) for s in (0, 4, 9)] == [0.1, 0.5, 1.0]
-    assert lr_factor(spec, 100, 10) == pytest.approx(1.0) and lr_factor(spec, 100, 100) == pytest.approx(0.1)
-    assert lr_factor(load_recipe("tiny-llama-cpu", ["optimizer.schedule=constant"]).optimizer, 100, 90) == 1.0
+    peak_gib = usage.ru_maxrss / 2**20                # KiB on Linux
+    assert peak_gib < 3, f"dry run peaked at {peak_gib:.1f} GiB"   # the model in bf16 would be 131 GiB
