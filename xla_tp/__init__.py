@@ -15,7 +15,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from .api import parallelize_module, parallelize_xla
 from .audit import AuditReport
 from .audit.run import audit  # the function shadows the subpackage name on purpose: xla_tp.audit(...)
-from .errors import MeshError, PlanError
+from .checkpoint import export_hf, load_checkpoint, save_checkpoint
+from .errors import CheckpointError, MeshError, OptimizerError, PlanError
 from .loss import loss_parallel
 from .mesh import make_mesh
 from .plan.hf import hf_plan
@@ -30,3 +31,4 @@ __all__ = [
     "audit", "hf_plan", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
     "plan_for", "regex_plan", "unplanned_parameters",
 ]
+__all__ += ["CheckpointError", "OptimizerError", "export_hf", "load_checkpoint", "save_checkpoint"]  # training at scale
