@@ -16,12 +16,14 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from .backends import get_backend
 from .backends.place import place_module
+from .checkpoint.export import host_save_pretrained
 from .constraints import install_constraints
 from .errors import PlanError
 from .inference import make_inference_safe
 from .mesh import MeshLike, canonical_axis, to_xs_mesh
 from .plan.hf import hf_plan
 from .plan.normalize import build_layout
+from .recompute import enable_activation_checkpointing
 from .validate import validate
 
 PlanLike = Union[str, dict, ParallelStyle]
@@ -68,6 +70,8 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     place_module(module, layout.params, xmesh, shard)
     install_constraints(module, layout, xmesh)
     make_inference_safe(module)
+    host_save_pretrained(module)
+    enable_activation_checkpointing()
     module._xla_tp_layout = layout
     return module
 

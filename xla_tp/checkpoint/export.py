@@ -4,7 +4,11 @@ Tensors come from the model's own ``state_dict()``, so packed projections a plan
 written in their original layout, and ``from_pretrained`` gives the same logits. Each tensor is
 gathered to the host one at a time and files are cut at ``max_shard_bytes`` (with the usual
 ``model.safetensors.index.json``), so host memory stays near one file. Tied weights are written
-once, as ``save_pretrained`` does. Example::
+once, as ``save_pretrained`` does. ``parallelize_xla`` also makes transformers' own
+``model.save_pretrained(dir)`` work on the parallelized model (``host_save_pretrained``): it is
+handed host copies of the state dict, which it cannot take from XLA tensors itself (safetensors
+reads their storage pointer: ``Attempted to access the data pointer on an invalid python
+storage``). Example::
 
     xla_tp.export_hf(model, "out")
     LlamaForCausalLM.from_pretrained("out")
@@ -14,7 +18,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from typing import Iterator
+import types
+from typing import Any, Iterator
 
 import torch
 import torch_xla
@@ -82,3 +87,24 @@ def _host_tensors(model: nn.Module, keys: list[str]) -> Iterator[tuple[str, torc
     torch_xla.sync()  # hooks' re-layouts become device data in one program, not one per tensor
     for key in keys:
         yield key, state[key].detach().to("cpu").contiguous()
+
+
+def host_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every tensor copied to the host (whole model in host memory)."""
+    state = model.state_dict()
+    torch_xla.sync()
+    return {k: v.detach().to("cpu") for k, v in state.items()}
+
+
+def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+    if state_dict is None:
+        state_dict = host_state_dict(self)
+    return type(self).save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
+
+
+def host_save_pretrained(model: nn.Module) -> None:
+    """Give every transformers model inside ``model`` a ``save_pretrained`` that works on XLA (idempotent)."""
+    for mod in model.modules():
+        if callable(getattr(type(mod), "save_pretrained", None)) and hasattr(mod, "config") \
+                and getattr(mod.save_pretrained, "__func__", None) is not _save_pretrained:
+            mod.save_pretrained = types.MethodType(_save_pretrained, mod)
