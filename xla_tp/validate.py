@@ -12,6 +12,7 @@ from typing import Callable, Mapping, Optional
 import torch
 from torch import nn
 
+from .backends.init import initializer
 from .errors import PlanError
 from .plan.layout import Layout, ModuleLayout, Spec
 
@@ -71,11 +72,11 @@ def _owner(layout: Layout, param_fqn: str) -> str:
 
 
 def _check_meta(module: nn.Module) -> None:
-    """A meta tensor can only be materialised by its module's ``reset_parameters()``."""
+    """A meta tensor can only be materialised by its module's own init (``backends.init``)."""
     for fqn, mod in module.named_modules():
         meta = [n for n, t in [*mod.named_parameters(recurse=False), *mod.named_buffers(recurse=False)]
                 if t is not None and t.device == torch.device("meta")]
-        if meta and not callable(getattr(mod, "reset_parameters", None)):
+        if meta and initializer(module, fqn) is None:
             raise PlanError(f"module {fqn or '<root>'!r} ({type(mod).__name__}) has tensors {meta} on the "
                             f"meta device and no reset_parameters() to initialise them; add one or "
                             f"materialise the module before parallelize_xla")

@@ -1,7 +1,9 @@
 """Put every parameter and buffer of a module on the XLA device with its sharding.
 
 CPU tensors are copied over; ``meta`` tensors become lazy XLA tensors, are annotated, and are
-then initialised by their module's ``reset_parameters()`` (so the values are created sharded).
+then initialised by their module's own init (``backends.init``: a Hugging Face model's
+``_init_weights``, else ``reset_parameters()``), so the values are created sharded, on the device,
+without the model ever existing whole on the host.
 Tied parameters stay tied. Each sharded parameter remembers its sharding for the optimizer
 guard (``xla_tp.guard``).
 
@@ -21,13 +23,14 @@ from torch import nn
 from ..guard import SHARDING_ATTR, forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
 from . import ShardFn
+from .init import initializer
 
 
 def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn) -> None:
     """Move/materialise ``module`` onto the XLA device and shard the parameters in ``specs``."""
     device = torch_xla.device()
     memo: dict[int, torch.Tensor] = {}
-    to_reset: dict[int, nn.Module] = {}
+    to_init: dict[str, None] = {}
     sharded: list[nn.Parameter] = []
     for mfqn, mod in module.named_modules(remove_duplicate=False):
         had_meta = False
@@ -49,11 +52,11 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
                 memo[id(b)] = _to_device(b, device)
             mod._buffers[name] = memo[id(b)]
         if had_meta:
-            to_reset[id(mod)] = mod
-    if to_reset:
+            to_init.setdefault(mfqn)
+    if to_init:
         with torch.no_grad():
-            for mod in to_reset.values():
-                mod.reset_parameters()
+            for mfqn in to_init:
+                initializer(module, mfqn)()
         for p in sharded:
             restore_sharding(p)
     torch_xla.sync()

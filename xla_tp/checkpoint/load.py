@@ -6,7 +6,8 @@ mismatching name and shape, and the model and optimizer stay as they were. Each 
 only the pieces of its own shards (torch_xla's ``SPMDLoadPlanner``), whatever mesh and plan wrote
 them: a checkpoint saved on ``fsdp=2, model=4`` loads on ``model=8`` or ``data=4, model=2``.
 Parameters are loaded in place; re-laid ones and optimizer states go through the model's
-``load_state_dict`` and keep their shardings. Example::
+``load_state_dict`` and keep their shardings. Safetensors weights (a file or a Hugging Face
+checkpoint directory) load the same way (``safetensors.SafetensorsReader``). Example::
 
     step = xla_tp.load_checkpoint("ckpt", model, opt)      # the newest complete step under ckpt/
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import io
 import logging
+import os
 import time
 from typing import Any, Optional
 
@@ -28,39 +30,48 @@ from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 from ..errors import CheckpointError
 from ..guard import restore_sharding
 from .layout import GROUPS, MODEL, STATE, param_names, shard_like, swapped
+from .safetensors import SafetensorsReader, safetensors_files
 from .store import resolve
 
 log = logging.getLogger(__name__)
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[int]:
-    """Load the checkpoint at ``path`` (a root: its newest complete step; or a step directory) into
-    ``model`` (and ``optimizer``), on the model's current mesh and plan. Returns the saved step.
+    """Load the checkpoint at ``path`` (a root: its newest complete step; a step directory; or
+    safetensors weights: a file, or a Hugging Face checkpoint directory) into ``model`` (and
+    ``optimizer``), on the model's current mesh and plan. Returns the saved step (None for safetensors).
     Raises ``CheckpointError`` naming every mismatch before touching anything. Example::
 
         model = xla_tp.parallelize_xla(build(), "auto", mesh=xla_tp.make_mesh(model=8))
         xla_tp.load_checkpoint("ckpt", model)
     """
     start = time.perf_counter()
-    step, directory = resolve(path)
-    reader = dcp.FileSystemReader(directory)
+    files = safetensors_files(path)
+    if files is not None:
+        if optimizer is not None:
+            raise CheckpointError(f"{path!r} holds safetensors weights only; load the optimizer from an "
+                                  f"xla_tp checkpoint, or call load_checkpoint without it")
+        step, directory, prefix, reader = None, os.fspath(path), "", SafetensorsReader(files)
+    else:
+        step, directory = resolve(path)
+        prefix, reader = MODEL, dcp.FileSystemReader(directory)
     meta = reader.read_metadata().state_dict_metadata
-    live = model.state_dict(keep_vars=True)
-    _check_model(directory, meta, live)
+    live = _saved_entries(model.state_dict(keep_vars=True), meta, prefix)
+    _check_model(directory, meta, live, prefix)
     groups = _read_groups(directory, meta) if optimizer is not None else None
     owners = _check_optimizer(directory, meta, model, optimizer, groups) if optimizer is not None else {}
     params = dict(model.named_parameters(remove_duplicate=False))
     targets: dict[str, Any] = {}
     for key, value in live.items():
         is_own = key not in params or value is params[key]
-        targets[MODEL + key] = value if is_own else _empty_like_entry(meta[MODEL + key], params[key])
+        targets[prefix + key] = value if is_own else _empty_like_entry(meta[prefix + key], params[key])
     for key, (param, _) in owners.items():
         md = meta[key]
         laid_out = isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(live[param_names(model)[id(param)]].shape)
         targets[key] = _empty_like_entry(md, param) if laid_out else _placeholder(md)
     torch_xla.sync()
     dcp.load(targets, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not dist.is_initialized())
-    relaid = {k: targets[MODEL + k] for k, v in live.items() if targets[MODEL + k] is not v}
+    relaid = {k: targets[prefix + k] for k, v in live.items() if targets[prefix + k] is not v}
     if relaid:
         model.load_state_dict(relaid, strict=False)
     for p in params.values():
@@ -72,9 +83,22 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     return step
 
 
-def _check_model(directory: str, meta: dict, live: dict) -> None:
-    saved = {k[len(MODEL):]: tuple(m.size) for k, m in meta.items()
-             if k.startswith(MODEL) and isinstance(m, TensorStorageMetadata)}
+def _saved_entries(state: dict, meta: dict, prefix: str) -> dict:
+    """The ``state_dict`` entries a checkpoint must hold: a tied tensor whose other name is saved may
+    be left out (Hugging Face checkpoints write ``lm_head.weight`` only once, as the embedding)."""
+    saved_ids = {id(v) for k, v in state.items() if prefix + k in meta}
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        if prefix + key in meta or (id(value) not in saved_ids and id(value) not in seen):
+            out[key] = value
+        seen.add(id(value))
+    return out
+
+
+def _check_model(directory: str, meta: dict, live: dict, prefix: str) -> None:
+    saved = {k[len(prefix):]: tuple(m.size) for k, m in meta.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
     want = {k: tuple(v.shape) for k, v in live.items()}
     missing = sorted(set(want) - set(saved))
     unexpected = sorted(set(saved) - set(want))
