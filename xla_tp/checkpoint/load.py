@@ -69,7 +69,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         md = meta[key]
         laid_out = isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(live[param_names(model)[id(param)]].shape)
         targets[key] = _empty_like_entry(md, param) if laid_out else _placeholder(md)
-    torch_xla.sync()
+    torch_xla.sync(wait=True)  # targets become device data before the planner reads their shards
     dcp.load(targets, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not dist.is_initialized())
     relaid = {k: targets[prefix + k] for k, v in live.items() if targets[prefix + k] is not v}
     if relaid:

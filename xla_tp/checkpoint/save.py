@@ -71,7 +71,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     if optimizer is not None:
         flat.update(optimizer_state(model, optimizer))
     flat = {k: v if isinstance(v, torch.Tensor) else _pickled(v) for k, v in flat.items()}
-    torch_xla.sync()  # re-laid views and annotated states become sharded device data
+    torch_xla.sync(wait=True)  # re-laid views and annotated states become sharded device data
     info = {"format": FORMAT, "step": step, "tensors": sum(isinstance(v, torch.Tensor) for v in flat.values()),
             "model": type(model).__name__, "optimizer": type(optimizer).__name__ if optimizer is not None else None}
     tmp = root.begin(step)
