@@ -16,7 +16,8 @@ setup(
     ],
     extras_require={
         "hf": ["transformers==5.23.0"],
-        "test": ["pytest", "transformers==5.23.0", "matplotlib"],  # matplotlib: the bench chart
+        "test": ["pytest", "transformers==5.23.0", "matplotlib", "torchao==0.14.1"],  # matplotlib: the bench chart
+        "torchao": ["torchao==0.14.1"],  # low-precision optimizers; 0.14.1 is the release that imports with torch 2.9
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )
