@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch_xla
+import torchao.optim as torchao_optim  # the [test] extra installs torchao==0.14.1
 from torch.utils.checkpoint import checkpoint
 
 import xla_tp
@@ -62,7 +63,6 @@ def bf16_llama():
 
 
 def test_torchao_bf16_stochastic_rounding_adamw(bf16_llama):
-    torchao_optim = pytest.importorskip("torchao.optim")  # the [test] extra installs torchao==0.14.1
     opt = torchao_optim._AdamW(bf16_llama.parameters(), lr=1e-2, bf16_stochastic_round=True)
     tokens = torch.randint(0, VOCAB, (4, 16), device=torch_xla.device())
     losses = []
@@ -82,7 +82,6 @@ def test_torchao_bf16_stochastic_rounding_adamw(bf16_llama):
 
 
 def test_torchao_8bit_adamw_is_refused_before_touching_anything(bf16_llama):
-    torchao_optim = pytest.importorskip("torchao.optim")
     opt = torchao_optim.AdamW8bit(bf16_llama.parameters(), lr=1e-2)
     _loss(bf16_llama, torch.randint(0, VOCAB, (4, 16), device=torch_xla.device())).backward()
     before = {n: p.detach().cpu().clone() for n, p in bf16_llama.named_parameters()}

@@ -2,8 +2,8 @@
 
 CPU tensors are copied over; ``meta`` tensors become lazy XLA tensors, are annotated, and are
 then initialised by their module's own init (``backends.init``: a Hugging Face model's
-``_init_weights``, else ``reset_parameters()``), so the values are created sharded, on the device,
-without the model ever existing whole on the host.
+``_init_weights``, else ``reset_parameters()``), one module per program, so the values are created
+sharded, on the device, without the model ever existing whole on the host or on a device.
 Tied parameters stay tied. Each sharded parameter remembers its sharding for the optimizer
 guard (``xla_tp.guard``).
 
@@ -31,7 +31,6 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
     device = torch_xla.device()
     memo: dict[int, torch.Tensor] = {}
     to_init: dict[str, None] = {}
-    sharded: list[nn.Parameter] = []
     for mfqn, mod in module.named_modules(remove_duplicate=False):
         had_meta = False
         for name, p in list(mod._parameters.items()):
@@ -41,8 +40,6 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
                 had_meta |= p.is_meta
                 fqn = f"{mfqn}.{name}" if mfqn else name
                 memo[id(p)] = _place_param(p, fqn, specs.get(fqn), mesh, shard, device)
-                if fqn in specs:
-                    sharded.append(memo[id(p)])
             mod._parameters[name] = memo[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
@@ -53,12 +50,19 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
             mod._buffers[name] = memo[id(b)]
         if had_meta:
             to_init.setdefault(mfqn)
-    if to_init:
-        with torch.no_grad():
-            for mfqn in to_init:
-                initializer(module, mfqn)()
-        for p in sharded:
-            restore_sharding(p)
+    for mfqn in to_init:
+        _initialise(module, mfqn)
+    torch_xla.sync()
+
+
+def _initialise(root: nn.Module, fqn: str) -> None:
+    """Run one module's init and execute it on its own. Random init is not partitioned by GSPMD
+    (each device draws the whole tensor, then keeps its shard): one module per program keeps that
+    temporary at one module's tensors instead of the whole model's."""
+    with torch.no_grad():
+        initializer(root, fqn)()
+    for p in root.get_submodule(fqn).parameters(recurse=False):
+        restore_sharding(p)  # an in-place init may leave the parameter replicated
     torch_xla.sync()
 
 
