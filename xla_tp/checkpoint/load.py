@@ -138,7 +138,7 @@ def _check_optimizer(directory: str, meta: dict, model: nn.Module, optimizer: to
         raise CheckpointError(f"checkpoint {directory!r}: the optimizer's parameters differ from the saved ones; "
                               f"nothing was loaded. {'; '.join(diff)}. Build the optimizer over the same "
                               f"parameters, in the same groups, as the one that saved")
-    by_name = {n: p for g in optimizer.param_groups for p in g["params"] for n in [names[id(p)]]}
+    by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
     owners = {}
     for key in meta:
         if key.startswith(STATE):

@@ -20,7 +20,7 @@ import struct
 from typing import Optional
 
 import torch
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex,
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    TensorProperties, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
