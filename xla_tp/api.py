@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .backends import get_backend
+from . import lowering
 from .backends.place import place_module
 from .constraints import install_constraints
 from .errors import PlanError
@@ -56,17 +57,13 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
         plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes, check_spec)
-    # A planner's Plan may re-lay packed weights head-aligned (state_dict shapes unchanged) and swap
-    # in XLA-friendly forwards. Both run only once the plan has validated on the model as it was;
-    # the layout is then rebuilt for the re-laid parameters (the planner re-lays only what divides).
-    relayout = getattr(plan, "relayout", None)
-    if relayout is not None:
-        relayout(module)
-        layout = build_layout(module, plan, axes, tp_axis, strict)
-        validate(module, layout, axes, check_spec)
+    # Nothing has been touched so far. A planner's Plan may re-lay packed weights device-major (same
+    # shapes, so the layout above holds) and name modules the lowering mode must cover.
+    getattr(plan, "relayout", lambda m: None)(module)
     getattr(plan, "prepare", lambda m: None)(module)
     place_module(module, layout.params, xmesh, shard)
     install_constraints(module, layout, xmesh)
+    lowering.install(module)
     make_inference_safe(module)
     module._xla_tp_layout = layout
     return module

@@ -54,6 +54,19 @@ class Layout:
     params: dict[str, Spec] = field(default_factory=dict)
 
 
+def spec_axes(axes: Axis) -> tuple[str, ...]:
+    """The mesh axes one spec entry names: ``spec_axes(None) == ()``, ``spec_axes(("data", "fsdp"))``
+    is itself, ``spec_axes("model") == ("model",)``."""
+    if axes is None:
+        return ()
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def uses_axis(spec: Spec, axis: str) -> bool:
+    """Whether any dimension of ``spec`` is split over ``axis``: ``uses_axis((None, ("data", "model")), "model")``."""
+    return any(axis in spec_axes(a) for a in spec)
+
+
 def chain(*placements: Optional[Placement]) -> Chain:
     """The placements to constrain to, in order, with Nones and repeats dropped.
 
@@ -90,9 +103,5 @@ def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis
         spec[0] = batch_axes if len(batch_axes) > 1 else batch_axes[0]
     if isinstance(placement, Shard):
         dim = placement.dim % ndim
-        if spec[dim] is None:
-            spec[dim] = tp_axis
-        else:
-            prev = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
-            spec[dim] = (*prev, tp_axis)
+        spec[dim] = (*spec_axes(spec[dim]), tp_axis) if spec[dim] is not None else tp_axis
     return tuple(spec)

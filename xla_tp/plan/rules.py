@@ -35,13 +35,13 @@ from torch import nn
 from ..errors import PlanError
 from ..mesh import canonical_axis
 from .layout import Axis, ModuleLayout, Spec
-from .styles import ShardParams
+from .styles import ShardParams, Style
 
 _INDEX = re.compile(r"^(.*)\[(\d+)\]$")
 
 
 @dataclass(frozen=True)
-class AxisRule:
+class AxisRule(Style):
     """Mesh axes for what its key names: a parameter's spec, or a module's output specs by index.
 
     Example: ``AxisRule((("data", None, "model"),))`` on ``layers.*`` constrains each layer's output.

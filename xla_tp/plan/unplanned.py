@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .layout import Layout, Spec
+from .layout import Layout, uses_axis
 
 
 def unplanned_parameters(module: nn.Module, layout: Layout) -> dict[str, str]:
@@ -24,7 +24,7 @@ def unplanned_parameters(module: nn.Module, layout: Layout) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, _ in module.named_parameters():
         spec = layout.params.get(name)
-        if spec is not None and _uses(spec, layout.tp_axis):
+        if spec is not None and uses_axis(spec, layout.tp_axis):
             continue
         owner, _, local = name.rpartition(".")
         ml = layout.modules.get(owner)
@@ -38,6 +38,3 @@ def unplanned_parameters(module: nn.Module, layout: Layout) -> dict[str, str]:
             out[name] += f" (sharded over {spec} only)"
     return out
 
-
-def _uses(spec: Spec, axis: str) -> bool:
-    return any(a == axis or (isinstance(a, tuple) and axis in a) for a in spec)
