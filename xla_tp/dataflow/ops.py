@@ -159,8 +159,8 @@ def _getitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
         return "indexes with a sharded tensor"
     index = node.arg(1, "idx")
     index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, (Value, list)) or (hasattr(i, "shape") and not isinstance(i, slice)) for i in index):
-        return "advanced indexing on a sharded tensor"
+    if any(isinstance(i, Value) for i in index):
+        return "indexes a sharded tensor with a tensor"
     shape = node.tensors[0].shape
     n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
     expanded: list[Any] = []
@@ -182,10 +182,13 @@ def _getitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
             cur = cur.sliced(dim_in, j, j + 1, keep_dim=True)
             mapping[dim_in] = None
         else:
-            start, stop_, stride = i.indices(size)
-            if stride != 1:
-                return "takes a strided slice of a sharded tensor"
-            cur = cur.sliced(dim_in, start, max(start, stop_), keep_dim=True)
+            picked = _picked(i, size)
+            if picked is None:
+                return "indexes the sharded dimension with a list"
+            start, stop_, contiguous = picked
+            if not contiguous and cur.factor_at(dim_in) is cur.lead:
+                return "takes a strided or listed part of the sharded dimension"
+            cur = cur.sliced(dim_in, start, stop_, keep_dim=True)
             mapping[dim_in] = out_dim
             out_dim += 1
         if isinstance(cur, str):
@@ -194,6 +197,20 @@ def _getitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     keep = {f.dim for f in cur.factors if mapping.get(f.dim) is not None}
     moved = _drop_unit_factors(cur, keep).moved(mapping)
     return _one(node, moved)
+
+
+def _picked(index: Any, size: int) -> Optional[tuple[int, int, bool]]:
+    """(start, stop, contiguous) of what a slice or list index takes from a dim of ``size``; a strided
+    slice or a non-contiguous list is reported with its extent (start, start + count) and False."""
+    if isinstance(index, slice):
+        start, stop, stride = index.indices(size)
+        count = len(range(start, stop, stride))
+        return start, start + count, stride == 1 or count <= 1
+    if isinstance(index, list) and all(isinstance(j, int) for j in index) and index:
+        picks = [j % size for j in index]
+        contiguous = picks == list(range(picks[0], picks[0] + len(picks)))
+        return picks[0], picks[0] + len(picks), contiguous
+    return None
 
 
 def _drop_unit_factors(feats: Features, keep: set[int]) -> Features:

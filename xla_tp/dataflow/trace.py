@@ -32,9 +32,7 @@ BATCH, SEQ = 2, 8
 def op_name(func: Any) -> str:
     """Short name of a torch function: ``torch.Tensor.__radd__`` -> ``radd``, ``F.linear`` -> ``linear``."""
     name = resolve_name(func) or getattr(func, "__name__", repr(func))
-    name = name.rsplit(".", 1)[-1]
-    if name.endswith(".__get__"):
-        name = name[: -len(".__get__")]
+    name = name.removesuffix(".__get__").rsplit(".", 1)[-1]
     if name.startswith("__") and name.endswith("__"):
         name = name[2:-2]
     return name

@@ -248,15 +248,26 @@ def _embeddings(graph: Graph, roles: Roles) -> dict[str, int]:
         ids, weight = node.arg(0, "input"), node.arg(1, "weight")
         if not isinstance(weight, Value) or weight.kind != "param":
             continue
-        if ids.dynamic:
+        if _is_input(ids):
             roles.set(weight, ParamRole("vocab", ("vocab", "embed"), f"vocab-parallel embedding: its "
                                         f"{weight.shape[0]} rows split, looked up with the model's input ids",
                                         "partial"))
             vocab[weight.name] = weight.shape[0]
         else:
             roles.set(weight, _replicated(weight, "position/type embedding: looked up with computed "
-                                                  "positions, small, replicated"))
+                                                  "indices, small, replicated"))
     return vocab
+
+
+def _is_input(v: Value) -> bool:
+    """``v`` is a model input, reshaped or cast at most (token ids, not positions computed from them)."""
+    while v.kind != "input":
+        node = v.producer
+        if node is None or node.op not in ("view", "reshape", "flatten", "to", "long", "int", "contiguous",
+                                            "clone", "detach", "unsqueeze", "squeeze") or not node.tensors:
+            return False
+        v = node.tensors[0]
+    return True
 
 
 def _is_head(region: Region, vocab: dict[str, int], tp: int) -> bool:
