@@ -123,7 +123,8 @@ def default_kwargs(model: nn.Module) -> dict[str, Any]:
         params = inspect.signature(type(model).forward).parameters
     except (TypeError, ValueError):
         return {}
-    return {"use_cache": False} if "use_cache" in params else {}
+    takes = "use_cache" in params or hasattr(getattr(model, "config", None), "use_cache")
+    return {"use_cache": False} if takes else {}
 
 
 def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,

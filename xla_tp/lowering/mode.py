@@ -6,6 +6,9 @@ pre-hook and an always-called forward hook; nested modules share one activation)
 - ``F.scaled_dot_product_attention``, ``matmul``/``@`` of rank >= 4 and torch's
   ``multi_head_attention_forward`` become einsums that keep heads visible (``attention``);
 - ``F.layer_norm`` is spelled out (torch_xla's kernel all-gathers a batch split over a data axis);
+- slices whose bounds lie past a dimension are clamped as on the CPU (torch_xla 2.9 raises
+  ``Value out of range`` for ``x[..., -4095:, :]`` on a dimension of 16, which transformers'
+  sliding-window caches do);
 - a projection whose weight was re-laid device-major (``packed``) has its output tagged, so the
   model's own ``split``/``chunk``/slicing of it reads each block in place; any other use of the
   tagged output gets the original order back.
@@ -180,6 +183,43 @@ def _layer_norm(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
     return layer_norm(*args, **kwargs)
 
 
+def _getitem(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
+    t = args[0]
+    if not _is_xla(t):
+        return NotImplemented
+    fixed = clamp_slices(args[1], tuple(t.shape))
+    return NotImplemented if fixed is None else func(t, fixed)
+
+
+def clamp_slices(index: Any, shape: tuple[int, ...]) -> Any:
+    """``index`` with out-of-range slice bounds clamped to the dims they index; None if none is.
+
+    ``clamp_slices((Ellipsis, slice(-4095, None), slice(None)), (2, 16, 8)) == (Ellipsis, slice(-16, None), slice(None))``
+    """
+    items = index if isinstance(index, tuple) else (index,)
+    if not any(isinstance(i, slice) for i in items) or any(isinstance(i, torch.Tensor) for i in items):
+        return None
+    real = sum(1 for i in items if i is not None and i is not Ellipsis)
+    dims, dim = [], 0
+    for i in items:
+        dims.append(dim)
+        if i is Ellipsis:
+            dim += len(shape) - real
+        elif i is not None:
+            dim += 1
+    out, changed = [], False
+    for i, d in zip(items, dims):
+        if isinstance(i, slice) and d < len(shape):
+            n = shape[d]
+            start, stop = (None if b is None else max(-n, min(n, b)) for b in (i.start, i.stop))
+            changed |= (start, stop) != (i.start, i.stop)
+            i = slice(start, stop, i.step)
+        out.append(i)
+    if not changed:
+        return None
+    return tuple(out) if isinstance(index, tuple) else out[0]
+
+
 def _projection(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
     weight = args[1] if func is F.linear else (args[2] if len(args) > 2 else kwargs.get("mat2"))
     packing = packed.packing_of(weight)
@@ -192,7 +232,7 @@ _HANDLERS: dict[Callable, Callable] = {
     F.scaled_dot_product_attention: _sdpa, torch.matmul: _matmul, torch.Tensor.matmul: _matmul,
     torch.Tensor.__matmul__: _matmul, torch.Tensor.__rmatmul__: _matmul,
     F.multi_head_attention_forward: _mha, F.layer_norm: _layer_norm,
-    F.linear: _projection, torch.addmm: _projection,
+    F.linear: _projection, torch.addmm: _projection, torch.Tensor.__getitem__: _getitem,
 }
 _KEEPS_LAST = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,

@@ -15,7 +15,7 @@ layer has the same style. Example::
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Shard
@@ -83,17 +83,25 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles, sites: set[str]) ->
             plan.roles[name] = role
         if role is not None and role.packing is not None:
             plan.packings[group[0]] = role.packing
-    styles = {fqn: _style(params) for fqn, params in by_module.items()}
+    styles = {fqn: _style(params, roles.natural.get(fqn)) for fqn, params in by_module.items()}
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.sites = sites
     return plan
 
 
-def _style(params: dict[str, ParamRole]) -> LogicalStyle:
+def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle:
+    """``natural``: what the module's own output is where the trace saw it used (a tied weight's
+    embedding module emits partial sums, its head module split logits); else from its parameters."""
     kinds = {r.kind for r in params.values()}
     kind = next(k for k in ("row", "vocab", "head", "column") if k in kinds)
-    natural = Partial() if any(r.natural == "partial" for r in params.values()) else Shard(-1)
-    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, KIND_TEXT[kind], natural)
+    if natural is None:
+        natural = "partial" if any(r.natural == "partial" for r in params.values()) else "shard"
+    if kind in ("vocab", "head") and natural == "shard":
+        kind = "head"
+    elif kind in ("vocab", "head"):
+        kind = "vocab"
+    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, KIND_TEXT[kind],
+                        Partial() if natural == "partial" else Shard(-1))
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:

@@ -51,8 +51,12 @@ class Roles:
     params: dict[str, ParamRole] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)  # column members of each split group
     sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks
+    natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
+    # weight is an embedding in one module and an output head in another)
 
-    def set(self, weight: Value, role: ParamRole) -> None:
+    def set(self, weight: Value, role: ParamRole, module: Optional[str] = None) -> None:
+        if module is not None and role.natural:
+            self.natural[module] = role.natural
         old = self.params.get(weight.name)
         if old is not None and old.kind != "replicated" and (old.axes, old.packing) != (role.axes, role.packing):
             self.params[weight.name] = ParamRole("replicated", (None,) * len(weight.shape),
@@ -167,7 +171,7 @@ def _apply_group(group: list[Region], tp: int, roles: Roles, taken: dict[int, st
         axes[dim] = "heads" if attention else "mlp"
         cols = ", ".join(r.projection.name.rpartition(".")[0] for r in split_regions)
         roles.set(param, ParamRole("row", tuple(axes), f"row-parallel: contracts the split features of {cols}; "
-                                   f"one all-reduce of its output", "partial"))
+                                   f"one all-reduce of its output", "partial"), node.module)
         bias = _row_bias(node, param)
         if bias is not None:
             roles.set(bias, _replicated(bias, "bias of a row-parallel projection: added once, after the reduction"))
@@ -233,7 +237,7 @@ def _set_column(roles: Roles, p: Projection, kind: str, logical: str, why: str,
     axes[p.out_dims[0]] = logical
     for d in p.out_dims[1:]:
         axes[d] = None
-    roles.set(p.weight, ParamRole(kind, tuple(axes), why, "shard", packing))
+    roles.set(p.weight, ParamRole(kind, tuple(axes), why, "shard", packing), p.node.module)
     if p.bias is not None:
         bias_pack = Packing(0, packing.blocks, packing.tp) if packing else None
         roles.set(p.bias, ParamRole(kind, (logical,), "bias of " + why.split(":")[0], "shard", bias_pack))
@@ -251,7 +255,7 @@ def _embeddings(graph: Graph, roles: Roles) -> dict[str, int]:
         if _is_input(ids):
             roles.set(weight, ParamRole("vocab", ("vocab", "embed"), f"vocab-parallel embedding: its "
                                         f"{weight.shape[0]} rows split, looked up with the model's input ids",
-                                        "partial"))
+                                        "partial"), node.module)
             vocab[weight.name] = weight.shape[0]
         else:
             roles.set(weight, _replicated(weight, "position/type embedding: looked up with computed "
@@ -297,10 +301,11 @@ def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
         e = in_w.shape[0] // 3
         pack = Packing(0, ((0, e), (e, e), (2 * e, e)), tp)
         why = f"column-parallel: packed q/k/v of {heads} heads split {tp} ways (each device holds its heads)"
-        roles.set(in_w, ParamRole("column", ("heads", "embed"), why, "shard", pack))
+        roles.set(in_w, ParamRole("column", ("heads", "embed"), why, "partial", pack), node.module)
         if isinstance(in_b, Value):
             roles.set(in_b, ParamRole("column", ("heads",), "bias of packed q/k/v", "shard", pack))
-        roles.set(out_w, ParamRole("row", ("embed", "heads"), "row-parallel: attention output projection", "partial"))
+        roles.set(out_w, ParamRole("row", ("embed", "heads"), "row-parallel: attention output projection", "partial"),
+                  node.module)
         if isinstance(out_b, Value):
             roles.set(out_b, _replicated(out_b, "bias of a row-parallel projection: added once, after the reduction"))
         covered.add(node.index)
