@@ -70,6 +70,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     if flash_eligible(query, key, attn_mask, dropout_p):
         from torch_xla.experimental.custom_kernel import flash_attention
         return flash_attention(**flash_call(query, key, value, attn_mask, is_causal, scale))
+    return einsum_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA's math with both contractions as einsums (batch and head dims kept)."""
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
     scores = torch.einsum("...qd,...kd->...qk", query, key).float() * scale

@@ -62,6 +62,8 @@ class Roles:
             self.params[weight.name] = ParamRole("replicated", (None,) * len(weight.shape),
                                                  f"used as {old.kind} and as {role.kind}: the uses disagree")
             return
+        if old is not None and old.kind != "replicated" and old.kind != role.kind:  # a tied weight, same split
+            role = ParamRole(old.kind, old.axes, f"{old.why}; tied, also the {role.why}", old.natural, old.packing)
         self.params[weight.name] = role
 
 
@@ -82,8 +84,8 @@ def decide(graph: Graph, tp: int) -> Roles:
         if node.index in taken:
             continue
         if _is_head(region, vocab, tp):
-            _set_column(roles, region.projection, "head", "vocab", "output head: its features only reach the "
-                        "model's output (vocab-parallel, logits stay sharded)")
+            _set_column(roles, region.projection, "head", "vocab", "output head: vocab-parallel, its features only "
+                        "reach the model's output (logits stay split, ready for a loss-parallel cross-entropy)")
             taken[node.index] = "head"
         else:
             why = reasons.get(node.index) or _stop_reason(region)
@@ -188,8 +190,10 @@ def _row_bias(node: Node, weight: Value) -> Optional[Value]:
 
 
 def _granule_text(r: Region) -> str:
-    sizes = sorted(r.granules)
-    return "heads/blocks of " + "/".join(str(s) for s in sizes)
+    unit = "heads" if r.attention else "blocks"
+    blocks = _blocks(r)
+    packed = f" (packed blocks {[n for _, n in blocks]}, re-laid device-major)" if blocks else ""
+    return f"{min(r.granules)} {unit}{packed}"
 
 
 def _granule_problem(r: Region, tp: int) -> str:
@@ -240,7 +244,8 @@ def _set_column(roles: Roles, p: Projection, kind: str, logical: str, why: str,
     roles.set(p.weight, ParamRole(kind, tuple(axes), why, "shard", packing), p.node.module)
     if p.bias is not None:
         bias_pack = Packing(0, packing.blocks, packing.tp) if packing else None
-        roles.set(p.bias, ParamRole(kind, (logical,), "bias of " + why.split(":")[0], "shard", bias_pack))
+        roles.set(p.bias, ParamRole(kind, (logical,), f"bias of a {why.split(':')[0]} projection: split with "
+                                                      f"its outputs", "shard", bias_pack))
 
 
 def _embeddings(graph: Graph, roles: Roles) -> dict[str, int]:
