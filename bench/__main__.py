@@ -62,6 +62,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = run_meshes(families, widths, meshes)
     if not args.quick:
+        import xla_tp
+        from .families import family_rows
+        rows += family_rows(xla_tp.make_mesh(data=2, model=4))
         child = out / "mesh_1x4.json"
         env = dict(os.environ, CPU_NUM_DEVICES="4")
         subprocess.run([sys.executable, "-m", "bench", "--child", str(child)], env=env, check=True)

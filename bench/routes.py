@@ -21,7 +21,7 @@ from xla_tp.planners import plan_for
 from xla_tp.zoo import registry
 
 from .models import build
-from .plans import hand_apply, matches, to_torch_plan, weight_specs
+from .plans import hand_apply, plan_layout, to_torch_plan
 
 
 def _xla_tp(model, plan, mesh):
@@ -30,16 +30,17 @@ def _xla_tp(model, plan, mesh):
 
 
 def _hand(model, plan, mesh):
-    layout = _plan_layout(model, plan, mesh)
-    return hand_apply(model.to(torch_xla.device()), plan, mesh), layout, "mark_sharding per weight"
+    return hand_apply(model.to(torch_xla.device()), plan, mesh), plan_layout(model, plan, mesh), \
+        "mark_sharding per weight"
 
 
 def _distribute_module(model, plan, mesh):
-    layout, planned = _plan_layout(model, plan, mesh), matches(plan, model)
+    layout = plan_layout(model, plan, mesh)
 
     def partition_fn(name: str, module: torch.nn.Module, device_mesh: Any) -> None:
-        for pname, spec in weight_specs(module, planned.get(name, ""), "model").items():
-            xs.mark_sharding(getattr(module, pname), device_mesh, spec)
+        ml = layout.modules.get(name)
+        for pname, spec in (ml.params if ml else {}).items():
+            xs.mark_sharding(module.get_parameter(pname), device_mesh, spec)
 
     model = xs.xla_distribute_module(model.to(torch_xla.device()), mesh, partition_fn)
     return model, layout, "xla_distribute_module + partition_fn"
@@ -53,16 +54,12 @@ def _torch_parallelize_module(model, plan, mesh):
         dm = DeviceMesh("xla", ids.flatten())  # 1-D: what torch's TP examples use
     else:
         dm = DeviceMesh("xla", ids, mesh_dim_names=tuple(mesh.axis_names))["model"]
-    layout = _plan_layout(model, plan, mesh)
+    layout = plan_layout(model, plan, mesh)
     return parallelize_module(model, dm, to_torch_plan(plan, model)), layout, "torch parallelize_module"
 
 
 def _replicated(model, plan, mesh):
     return model.to(torch_xla.device()), build_layout(model, {}, _sizes(mesh), "model"), "no TP"
-
-
-def _plan_layout(model, plan, mesh):
-    return build_layout(model, to_torch_plan(plan, model), _sizes(mesh), "model", strict=False)
 
 
 def mesh_name(mesh) -> str:
