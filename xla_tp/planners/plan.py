@@ -18,14 +18,16 @@ import re
 from typing import Any, Optional
 
 from torch import nn
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..dataflow.graph import Graph
 from ..lowering import mode, packed
+from ..plan.styles import ShardParams
 from .logical import LogicalStyle
 from .roles import ParamRole, Roles
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a leading index stays: "0" must not become "*"
+BATCH_INPUT = ShardParams(inputs=((Replicate(),),))  # input 0: batch over data/fsdp, whole over the model axis
 KIND_TEXT = {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel embedding",
              "head": "vocab-parallel output head"}
 
@@ -85,6 +87,8 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles, sites: set[str]) ->
             plan.packings[group[0]] = role.packing
     styles = {fqn: _style(params, roles.natural.get(fqn)) for fqn, params in by_module.items()}
     _compress(plan, styles, [f for f, _ in model.named_modules()])
+    if plan and "" not in plan:  # the batch enters split over the data axes (a no-op if it already is)
+        plan[""] = BATCH_INPUT
     plan.sites = sites
     return plan
 
