@@ -16,7 +16,10 @@ setup(
     ],
     extras_require={
         "hf": ["transformers==5.23.0"],
-        "test": ["pytest", "transformers==5.23.0", "matplotlib"],  # matplotlib: the bench chart
+        # the JAX backend (parallelize_jax); these pins install beside torch 2.9.0 / torch_xla 2.9.0
+        "jax": ["jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.13"],
+        "test": ["pytest", "transformers==5.23.0", "matplotlib",  # matplotlib: the bench chart
+                 "jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.13"],
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )

@@ -18,6 +18,7 @@ import torch_xla.distributed.spmd as xs
 
 import xla_tp
 from xla_tp.audit.run import audit_here, unsharded_dot_flops
+from xla_tp.plan.applied import layout_of
 from xla_tp.plan.hf import hf_plan
 from xla_tp.zoo import registry
 
@@ -53,7 +54,7 @@ def _measure(family: str, route: str, plan: dict, mesh: Any, unsharded: dict) ->
     try:
         if route == "a_xla_tp":
             model = xla_tp.parallelize_xla(model, "auto", mesh=mesh)
-            layout, how = model._xla_tp_layout, "auto"
+            layout, how = layout_of(model), "auto"
         else:
             layout, how = plan_layout(model, plan, mesh), "HF tp_plan, mark_sharding per weight"
             model = hand_apply(model.to(torch_xla.device()), plan, mesh)

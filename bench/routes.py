@@ -16,6 +16,7 @@ import torch_xla.distributed.spmd as xs
 
 import xla_tp
 from xla_tp.audit.run import unsharded_dot_flops, audit_here
+from xla_tp.plan.applied import layout_of
 from xla_tp.plan.normalize import build_layout
 from xla_tp.planners import plan_for
 from xla_tp.zoo import registry
@@ -26,7 +27,7 @@ from .plans import hand_apply, plan_layout, to_torch_plan
 
 def _xla_tp(model, plan, mesh):
     model = xla_tp.parallelize_xla(model, plan_for(model, mesh=mesh), mesh=mesh)
-    return model, model._xla_tp_layout, "auto"
+    return model, layout_of(model), "auto"
 
 
 def _hand(model, plan, mesh):

@@ -7,7 +7,8 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from xla_tp.audit.hlo import capture_partitioned_hlo, collective_summary, parse_collectives
+from xla_tp.audit.capture import capture_partitioned_hlo
+from xla_tp.audit.hlo import collective_summary, parse_collectives
 
 
 def collective_counts(tensors) -> dict[str, int]:

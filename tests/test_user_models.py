@@ -12,7 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.audit.hlo import capture_partitioned_hlo, collective_summary, dot_flops, parse_collectives
+from xla_tp.audit.capture import capture_partitioned_hlo
+from xla_tp.audit.hlo import collective_summary, dot_flops, parse_collectives
 from xla_tp.zoo.cuda_llama import CudaLlama, sp_plan_calls
 from xla_tp.zoo.llama import LlamaArgs
 

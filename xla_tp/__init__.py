@@ -17,7 +17,7 @@ from .audit import AuditReport
 from .audit.run import audit  # the function shadows the subpackage name on purpose: xla_tp.audit(...)
 from .errors import MeshError, PlanError
 from .loss import loss_parallel
-from .mesh import make_mesh
+from .mesh import init_device_mesh, make_mesh
 from .plan.hf import hf_plan
 from .plan.rules import load_rules, regex_plan
 from .plan.styles import ShardParams
@@ -27,6 +27,6 @@ from .planners import Plan, plan_for
 __all__ = [
     "AuditReport", "ColwiseParallel", "MeshError", "Plan", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
     "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "ShardParams",
-    "audit", "hf_plan", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
+    "audit", "hf_plan", "init_device_mesh", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
     "plan_for", "regex_plan", "unplanned_parameters",
 ]

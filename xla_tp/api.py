@@ -20,9 +20,10 @@ from .backends.place import place_module
 from .constraints import install_constraints
 from .errors import PlanError
 from .inference import make_inference_safe
-from .mesh import MeshLike, canonical_axis, to_xs_mesh
+from .mesh import MeshLike, XlaDeviceMesh, canonical_axis, to_xs_mesh
+from .plan.applied import applied_layout, record_layout, stale_params
 from .plan.hf import hf_plan
-from .plan.normalize import build_layout
+from .plan.normalize import BATCH_AXES, build_layout
 from .validate import validate
 
 PlanLike = Union[str, dict, ParallelStyle]
@@ -61,11 +62,11 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     # shapes, so the layout above holds) and name modules the lowering mode must cover.
     getattr(plan, "relayout", lambda m: None)(module)
     getattr(plan, "prepare", lambda m: None)(module)
-    place_module(module, layout.params, xmesh, shard)
-    install_constraints(module, layout, xmesh)
+    place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
+    install_constraints(module, layout, xmesh, replacing=applied_layout(module))
     lowering.install(module)
     make_inference_safe(module)
-    module._xla_tp_layout = layout
+    record_layout(module, layout)
     return module
 
 
@@ -74,17 +75,26 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
                        src_data_rank: Any = 0) -> nn.Module:
     """torch's ``parallelize_module`` signature, applied the xla_tp way.
 
-    The mesh's only axis (or its ``model``/``tp`` axis) is the tensor-parallel axis.
-    ``src_data_rank`` is accepted for compatibility: under SPMD there is one process that
-    holds the full tensor, so there is nothing to broadcast. Example::
+    The tensor-parallel axis is the axis a slice of ``xla_tp.init_device_mesh`` selects
+    (``world["tp"]``: the batch stays sharded over the whole mesh's other axes), else the mesh's
+    only axis, else its ``model``/``tp`` axis. ``src_data_rank`` is accepted for compatibility:
+    under SPMD there is one process that holds the full tensor, so there is nothing to broadcast.
+    Example::
 
         parallelize_module(model, DeviceMesh("xla", list(range(4))), {"fc1": ColwiseParallel()})
+        world = xla_tp.init_device_mesh("xla", (2, 4), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, world["tp"], {"fc1": ColwiseParallel()})
     """
     xmesh = to_xs_mesh(device_mesh)
     names = tuple(xmesh.axis_names)
-    tp_axis = names[0] if len(names) == 1 else "model"
+    sliced = device_mesh.sliced_axis() if isinstance(device_mesh, XlaDeviceMesh) else None
+    tp_axis = sliced or (names[0] if len(names) == 1 else "model")
     if tp_axis not in names:
         raise PlanError(f"parallelize_module: the mesh has axes {names} and none is the tensor-parallel "
                         f"axis; pass a 1-D mesh or name one axis 'tp' or 'model'")
+    if tp_axis in BATCH_AXES:
+        raise PlanError(f"parallelize_module: the mesh's axis {tp_axis!r} carries the batch, so it cannot be "
+                        f"the tensor-parallel axis; pass the tensor-parallel slice (e.g. world['tp']) or "
+                        f"name the axis 'tp'")
     return parallelize_xla(module, parallelize_plan if parallelize_plan is not None else {},
                            xmesh, tp_axis=tp_axis, strict=False)
