@@ -62,7 +62,8 @@ def _spec_problem(spec: Spec, mesh_axes: Mapping[str, int]) -> Optional[str]:
 def uneven_dims(shape: Sequence[int], spec: Spec, mesh_axes: Mapping[str, int]) -> list[tuple[int, int, int]]:
     """(dim, size, ways) for each dimension its axes do not divide.
 
-    ``uneven_dims((50257, 64), ("model", None), {"model": 8}) == [(0, 50257, 8)]``
+    >>> uneven_dims((50257, 64), ("model", None), {"model": 8})
+    [(0, 50257, 8)]
     """
     out = []
     for dim, axes in enumerate(spec):
@@ -73,7 +74,11 @@ def uneven_dims(shape: Sequence[int], spec: Spec, mesh_axes: Mapping[str, int]) 
 
 
 def padded_size(n: int, ways: int) -> int:
-    """``padded_size(50257, 8) == 50264``: what XLA allocates for ``n`` split ``ways`` ways."""
+    """What XLA allocates for ``n`` split ``ways`` ways.
+
+    >>> padded_size(50257, 8)
+    50264
+    """
     return -(-n // ways) * ways
 
 

@@ -3,11 +3,13 @@
 ``linear``, ``addmm``, ``mm``, ``bmm``, ``baddbmm``, ``matmul``, ``einsum`` and
 ``scaled_dot_product_attention`` calls are described the same way: a label per dimension of each
 operand, the labels of the output, and extra operands added element-wise (a bias, an attention
-mask) with their labels. Example::
+mask) with their labels. Example:
 
-    spec = contraction(node)          # F.linear(x [2, 8, 64], w [128, 64])
-    spec.operands                     # [(x, 'abi'), (w, 'oi')]
-    spec.output                       # 'abo'
+>>> from torch import nn
+>>> from xla_tp.dataflow.trace import trace
+>>> spec = contraction(trace(nn.Linear(64, 128)).nodes[0])          # F.linear(x [2, 8, 64], w [128, 64])
+>>> [labels for _, labels in spec.operands], spec.output, spec.extras[0][1]
+(['abi', 'oi'], 'abo', 'o')
 """
 from __future__ import annotations
 

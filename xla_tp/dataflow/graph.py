@@ -5,11 +5,15 @@ arguments with tensors replaced by ``Value``s, its tensor outputs, the innermost
 called it) and ``Value``s (shape, dtype, where they come from, who reads them). Values know
 whether they depend on the model's inputs (``dynamic``): a tensor computed only from parameters,
 buffers and constants (a rotary table, an ALiBi slope, a causal mask) is not an activation.
-Example::
+Example:
 
-    graph = trace(model)
-    [n.op for n in graph.nodes][:3]          # ['embedding', 'arange', 'unsqueeze']
-    graph.params["lm_head.weight"].consumers  # [(Node(linear ...), 1)]
+>>> from torch import nn
+>>> from xla_tp.dataflow.trace import trace
+>>> graph = trace(nn.Sequential(nn.Embedding(32, 8), nn.Linear(8, 32)))
+>>> graph.nodes
+[Node#0(embedding in '0'), Node#1(linear in '1')]
+>>> graph.params["1.weight"].consumers, graph.outputs[0].dynamic
+([(Node#1(linear in '1'), 1)], True)
 """
 from __future__ import annotations
 

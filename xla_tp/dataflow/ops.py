@@ -8,10 +8,17 @@ no say: the compiler slices a replicated partner locally, and a sharded one meet
 features at the op's output, which is how regions are grouped.
 Ops are grouped by what they do to dimensions: element-wise, views, permutations, slices,
 concatenation, reductions, normalisations along a dim, contractions. Anything else stops.
-Example::
+Example (a projection's 64 features, viewed as 8 heads of 8):
 
-    s = step(node, 0, Features.whole(2, 64))     # node: x.view(2, 8, 8, 8)
-    s.outputs                                    # [(0, Features(heads factor at dim 2 ...))]
+>>> import torch
+>>> from xla_tp.dataflow.trace import trace
+>>> view = trace(torch.nn.Unflatten(-1, (8, 8)), (torch.zeros(2, 5, 64),)).nodes[0]
+>>> out = step(view, 0, Features.whole(2, 64)).outputs[0][1]
+>>> out.lead.dim, out.lead.size
+(2, 8)
+>>> softmax = trace(torch.nn.Softmax(-1), (torch.zeros(2, 5, 64),)).nodes[0]
+>>> step(softmax, 0, Features.whole(2, 64)).stop
+'softmax runs along the sharded dimension'
 """
 from __future__ import annotations
 

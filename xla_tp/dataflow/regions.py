@@ -5,12 +5,16 @@ A projection is a contraction of one activation with one parameter (``nn.Linear`
 they are split over devices: followed op by op (``ops.step``) until each path ends in another
 projection that contracts them (a ``row``: Megatron's row-parallel layer), dies, reaches the
 model's output, or meets an op that needs the whole feature dimension (a ``stop``). A projection
-whose region has no stop and ends in rows is column-parallel material. Example::
+whose region has no stop and ends in rows is column-parallel material. Example:
 
-    graph = trace(model)
-    for p in projections(graph):
-        r = explore(graph, p)
-        print(p.name, r.stop or f"rows: {[row.name for row in r.rows]}")
+>>> from torch import nn
+>>> from xla_tp.dataflow.trace import trace
+>>> graph = trace(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), nn.LayerNorm(16)))
+>>> for p in projections(graph):
+...     r = explore(graph, p)
+...     print(p.name, r.stop or [param.name for _, param, _ in r.rows.values()])
+0.weight ['2.weight']
+2.weight layer_norm normalises over the sharded dimension
 """
 from __future__ import annotations
 

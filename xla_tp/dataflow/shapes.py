@@ -5,11 +5,13 @@ Views split and merge them (``[B, S, H*D] -> [B, S, H, D]``), slices take blocks
 (``qkv[..., :E]``). A ``Features`` records, major to minor, the ``Factor``s (tensor dimension,
 size, stride in feature units) that hold them, and the window of the feature space they cover.
 The leading factor is what a column-parallel split shards: device ``i`` holds its ``i``-th slice
-of the leading factor and everything minor to it. Example::
+of the leading factor and everything minor to it. Example:
 
-    f = Features.whole(dim=2, size=512)                 # [B, S, 512]
-    g = f.reshaped((2, 8, 512), (2, 8, 8, 64))          # heads: leading factor dim 2, size 8
-    g.lead.dim, g.lead.size, g.hard                     # (2, 8, True)
+>>> heads = Features.whole(dim=2, size=512).reshaped((2, 8, 512), (2, 8, 8, 64))   # [B, S, H, D]
+>>> heads.lead.dim, heads.lead.size, heads.hard
+(2, 8, True)
+>>> Features.whole(dim=1, size=8).reshaped((2, 8, 5), (16, 5))     # [B, H, S] -> [B*H, S]
+'reshape (2, 8, 5) -> (16, 5) merges the sharded dimension with another one (the compiler cannot keep it sharded)'
 """
 from __future__ import annotations
 

@@ -6,10 +6,13 @@ or already on the XLA device traces the same way and is left exactly as it was. 
 ``TorchFunctionMode`` records every call with its module scope. transformers recognises fake
 tensors and skips its data-dependent checks. Without ``example_inputs`` an input is synthesised:
 token ids ``[2, 8]`` for a model whose first parametrised layer is an embedding, else floats
-``[2, 8, width]`` of its first layer's input width. Example::
+``[2, 8, width]`` of its first layer's input width. Example:
 
-    graph = trace(LlamaForCausalLM(cfg))
-    graph = trace(encoder, (torch.randn(4, 16, 64),))
+>>> graph = trace(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)))
+>>> [(n.op, n.module) for n in graph.nodes]
+[('linear', '0'), ('relu', '1'), ('linear', '2')]
+>>> graph.params["0.weight"].consumers[0][0].op, graph.inputs[0].shape
+('linear', (2, 8, 16))
 """
 from __future__ import annotations
 
@@ -30,7 +33,11 @@ BATCH, SEQ = 2, 8
 
 
 def op_name(func: Any) -> str:
-    """Short name of a torch function: ``torch.Tensor.__radd__`` -> ``radd``, ``F.linear`` -> ``linear``."""
+    """Short name of a torch function.
+
+    >>> op_name(torch.Tensor.__radd__), op_name(torch.nn.functional.linear), op_name(torch.Tensor.T.__get__)
+    ('radd', 'linear', 'T')
+    """
     name = resolve_name(func) or getattr(func, "__name__", repr(func))
     name = name.removesuffix(".__get__").rsplit(".", 1)[-1]
     if name.startswith("__") and name.endswith("__"):
@@ -93,7 +100,8 @@ def _shape_only(name: str) -> bool:
 def synthesize_inputs(model: nn.Module) -> tuple:
     """The example input ``plan_for`` uses when none is given (see the module docstring).
 
-    ``synthesize_inputs(nn.Linear(16, 4))[0].shape == (2, 8, 16)``.
+    >>> synthesize_inputs(nn.Linear(16, 4))[0].shape, synthesize_inputs(nn.Embedding(10, 4))[0].dtype
+    (torch.Size([2, 8, 16]), torch.int64)
     """
     for mod in model.modules():
         if isinstance(mod, nn.Embedding):

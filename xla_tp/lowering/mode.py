@@ -194,7 +194,8 @@ def _getitem(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
 def clamp_slices(index: Any, shape: tuple[int, ...]) -> Any:
     """``index`` with out-of-range slice bounds clamped to the dims they index; None if none is.
 
-    ``clamp_slices((Ellipsis, slice(-4095, None), slice(None)), (2, 16, 8)) == (Ellipsis, slice(-16, None), slice(None))``
+    >>> clamp_slices((Ellipsis, slice(-4095, None), slice(None)), (2, 16, 8))
+    (Ellipsis, slice(-16, None, None), slice(None, None, None))
     """
     items = index if isinstance(index, tuple) else (index,)
     if not any(isinstance(i, slice) for i in items) or any(isinstance(i, torch.Tensor) for i in items):

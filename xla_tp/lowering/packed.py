@@ -7,10 +7,15 @@ other; ``state_dict()``/``load_state_dict()`` see the original order (hooks on t
 During the forward, xla_tp's lowering mode tags the projection's output (``tag``) and hands the
 model's own slicing (``qkv[..., :E]``, ``split``, ``chunk``) the block it asked for, read from the
 device-major layout without moving data (``block``); any other use gets the original order back
-(``unpermute``). Example::
+(``unpermute``). Example (q, k, v blocks of 4 rows over 2 devices):
 
-    relayout(attn.c_attn, "weight", Packing(dim=1, blocks=((0, 64), (64, 64), (128, 64)), tp=4))
-    attn.c_attn.state_dict()["weight"]        # original order
+>>> lin = nn.Linear(1, 12, bias=False)
+>>> original = lin.weight.detach().clone()
+>>> relayout(lin, "weight", Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2))
+>>> lin.weight[:, 0].tolist() == original[[0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11], 0].tolist()  # [q0 k0 v0 | q1 k1 v1]
+True
+>>> torch.equal(lin.state_dict()["weight"], original)
+True
 """
 from __future__ import annotations
 
@@ -37,8 +42,11 @@ class Packing:
         return sum(n for _, n in self.blocks)
 
     def order(self) -> torch.Tensor:
-        """Original index of each re-laid position: ``Packing(0, ((0, 4), (4, 4)), 2).order()``
-        is ``[0, 1, 4, 5, 2, 3, 6, 7]``."""
+        """Original index of each re-laid position.
+
+        >>> Packing(0, ((0, 4), (4, 4)), 2).order().tolist()
+        [0, 1, 4, 5, 2, 3, 6, 7]
+        """
         idx = [start + d * (n // self.tp) + j for d in range(self.tp) for start, n in self.blocks
                for j in range(n // self.tp)]
         return torch.tensor(idx, dtype=torch.long)

@@ -10,11 +10,11 @@ A ``Layout`` holds, per module that the plan names, a ``ModuleLayout``:
   all-gathered here". Placements keep torch's types so negative dims resolve against the
   activation's rank at run time.
 
-Example::
+Example (what ``ColwiseParallel()`` on ``layers.0.wq`` lowers to):
 
-    ModuleLayout(fqn="layers.0.wq", source="layers.*.wq", style="ColwiseParallel()",
-                 params={"weight": ("model", None)},
-                 inputs=((Replicate(), Replicate()),), outputs=((Shard(-1),),))
+>>> ModuleLayout(fqn="layers.0.wq", source="layers.*.wq", style="ColwiseParallel()",
+...              params={"weight": ("model", None)}, inputs=((Replicate(),),), outputs=((Shard(-1),),))
+ModuleLayout(fqn='layers.0.wq', source='layers.*.wq', style='ColwiseParallel()', params={'weight': ('model', None)}, inputs=((Replicate(),),), kwarg_inputs={}, outputs=((Shard(dim=-1),),), natural_output=None)
 """
 from __future__ import annotations
 
@@ -55,15 +55,22 @@ class Layout:
 
 
 def spec_axes(axes: Axis) -> tuple[str, ...]:
-    """The mesh axes one spec entry names: ``spec_axes(None) == ()``, ``spec_axes(("data", "fsdp"))``
-    is itself, ``spec_axes("model") == ("model",)``."""
+    """The mesh axes one spec entry names.
+
+    >>> spec_axes(None), spec_axes("model"), spec_axes(("data", "fsdp"))
+    ((), ('model',), ('data', 'fsdp'))
+    """
     if axes is None:
         return ()
     return axes if isinstance(axes, tuple) else (axes,)
 
 
 def uses_axis(spec: Spec, axis: str) -> bool:
-    """Whether any dimension of ``spec`` is split over ``axis``: ``uses_axis((None, ("data", "model")), "model")``."""
+    """Whether any dimension of ``spec`` is split over ``axis``.
+
+    >>> uses_axis((None, ("data", "model")), "model"), uses_axis(("data", None), "model")
+    (True, False)
+    """
     return any(axis in spec_axes(a) for a in spec)
 
 

@@ -1,10 +1,12 @@
 """Plan input -> ``Layout``: match keys, lower each style, collect per-parameter specs.
 
-Example::
+Example:
 
-    layout = build_layout(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
-                          mesh_axes={"model": 4}, tp_axis="model", strict=True)
-    layout.params   # {'fc1.weight': ('model', None), 'fc1.bias': ('model',), 'fc2.weight': (None, 'model'), ...}
+>>> from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+>>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+>>> layout = build_layout(mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}, {"model": 4}, "model")
+>>> layout.params
+{'0.weight': ('model', None), '0.bias': ('model',), '2.weight': (None, 'model'), '2.bias': (None,)}
 """
 from __future__ import annotations
 

@@ -8,10 +8,11 @@ parameter's spec kept).
 For what torch's styles cannot say: GPT-2's ``Conv1D`` (weight ``[in, out]``), packed q/k/v
 projections, ``nn.MultiheadAttention``'s ``in_proj_weight``, a norm sharded over its features.
 The axis name ``"tp"`` stands for the tensor-parallel axis of the mesh it is applied on.
-Example::
+Example (GPT-2's Conv1D stores ``[in, out]``: column-parallel splits dim 1, and the bias):
 
-    # GPT-2 Conv1D, column-parallel: weight [in, out] sharded on dim 1, bias on dim 0
-    ShardParams({"weight": (None, "tp"), "bias": ("tp",)}, outputs=((Shard(-1),),))
+>>> conv1d_col = ShardParams({"weight": (None, "tp"), "bias": ("tp",)})
+>>> conv1d_col.lower("h.0.attn.c_attn", nn.Linear(4, 4), "h.*.attn.c_attn", "model").params
+{'weight': (None, 'model'), 'bias': ('model',)}
 """
 from __future__ import annotations
 

@@ -1,11 +1,12 @@
 """Which parameters a plan leaves replicated over the tensor-parallel axis, and why.
 
-Example::
+Example:
 
-    layout = build_layout(model, {"fc1": ColwiseParallel(), "norm": SequenceParallel()}, {"model": 4}, "model")
-    unplanned_parameters(model, layout)
-    # {'fc2.weight': "no plan key matches module 'fc2' or parameter 'fc2.weight'", ...,
-    #  'norm.weight': "style SequenceParallel(...) (key 'norm') replicates it"}   # fc1.* are sharded: absent
+>>> from torch.distributed.tensor.parallel import ColwiseParallel
+>>> from xla_tp.plan.normalize import build_layout
+>>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+>>> unplanned_parameters(mlp, build_layout(mlp, {"0": ColwiseParallel()}, {"model": 4}, "model"))
+{'2.weight': "no plan key matches module '2' or parameter '2.weight'"}
 """
 from __future__ import annotations
 

@@ -4,11 +4,17 @@ One forward is traced on fake tensors (``xla_tp.dataflow``); each weight's role 
 its tensors do (``roles``): column-parallel when its output features feed attention or an
 element-wise chain into another projection, row-parallel when it contracts them back, vocab-parallel
 for embeddings looked up with the input ids and output heads. Logical axes go to mesh axes through
-one table (``logical.LOGICAL_AXES``). Nothing is decided by module names. Example::
+one table (``logical.LOGICAL_AXES``). Nothing is decided by module names. Example:
 
-    plan = plan_for(model, mesh=xla_tp.make_mesh(data=2, model=4))
-    plan.replicated            # {'model.norm.weight': 'element-wise weight ...', ...}
-    print(plan.explain(model, mesh))
+>>> import xla_tp
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+...                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=128))
+>>> plan = plan_for(llama, mesh=xla_tp.make_mesh(data=2, model=4))
+>>> plan["model.layers.*.self_attn.q_proj"].role, plan["lm_head"].role
+('column-parallel', 'vocab-parallel output head')
+>>> plan.replicated["model.layers.0.self_attn.k_proj.weight"].startswith("its output splits into 2 heads")
+True
 """
 from __future__ import annotations
 

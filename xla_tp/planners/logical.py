@@ -3,11 +3,11 @@
 A planner says what each parameter dimension *is* (``vocab``, ``heads``, ``mlp``, ``embed``);
 ``LOGICAL_AXES`` says which mesh axis each of those is split over, in the spirit of MaxText's logical
 axis rules. ``embed`` stays whole here: on an ``fsdp`` mesh axis the layout shards each parameter's
-first free dimension over ``fsdp`` afterwards (``plan.normalize``). Example::
+first free dimension over ``fsdp`` afterwards (``plan.normalize``). Example:
 
-    style = LogicalStyle({"weight": ("heads", "embed")}, role="column-parallel")
-    style.lower("layers.0.wq", nn.Linear(64, 64), "layers.*.wq", "model").params
-    # {'weight': ('model', None)}
+>>> style = LogicalStyle({"weight": ("heads", "embed")}, role="column-parallel")
+>>> style.lower("layers.0.wq", nn.Linear(64, 64), "layers.*.wq", "model").params
+{'weight': ('model', None)}
 """
 from __future__ import annotations
 

@@ -5,12 +5,16 @@ A ``Plan`` is an ordinary plan dict (module FQN pattern -> ``LogicalStyle``) bui
 parameters stay replicated and why (``replicated``), packed projections to re-lay before placing
 (``packings``) and the modules whose forward the lowering mode must cover (``sites``: where the
 trace saw attention or a packed projection being sliced). Layer indices become ``*`` where every
-layer has the same style. Example::
+layer has the same style. Example:
 
-    plan = xla_tp.plan_for(model, mesh=mesh)
-    plan["model.layers.*.self_attn.q_proj"]   # LogicalStyle(column-parallel: {'weight': ('heads', 'embed')})
-    plan.replicated["model.norm.weight"]      # 'element-wise weight (a norm scale): ...'
-    print(plan.explain(model, mesh))
+>>> import xla_tp
+>>> from torch import nn
+>>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16), nn.LayerNorm(16))
+>>> plan = xla_tp.plan_for(mlp, mesh=xla_tp.make_mesh(data=2, model=4))
+>>> plan["0"], plan["2"]
+(LogicalStyle(column-parallel: {'bias': ('mlp',), 'weight': ('mlp', 'embed')}), LogicalStyle(row-parallel: {'weight': ('embed', 'mlp')}))
+>>> plan.replicated["3.weight"]
+'element-wise weight (layer_norm in 3, e.g. a norm scale): small, replicated'
 """
 from __future__ import annotations
 
@@ -33,7 +37,11 @@ KIND_TEXT = {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab
 
 
 def pattern(fqn: str) -> str:
-    """``pattern("model.layers.3.mlp.up_proj") == "model.layers.*.mlp.up_proj"``."""
+    """Layer indices as ``*``.
+
+    >>> pattern("model.layers.3.mlp.up_proj"), pattern("0.weight")
+    ('model.layers.*.mlp.up_proj', '0.weight')
+    """
     return _INDEX.sub("*", fqn)
 
 

@@ -15,10 +15,15 @@ From a traced forward (``xla_tp.dataflow``), for a model axis of ``tp`` devices:
    is its own group. Everything else is replicated, with the reason.
 4. Attention that no group splits is a ``PlanError`` naming it and what stopped it.
 
-Module names are never read: they only label explanations. Example::
+Module names are never read: they only label explanations. Example:
 
-    roles = decide(trace(model), tp=4)
-    roles.params["model.layers.0.self_attn.q_proj.weight"]   # ParamRole('column', ('heads', 'embed'), ...)
+>>> from torch import nn
+>>> from xla_tp.dataflow.trace import trace
+>>> roles = decide(trace(nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))), tp=4)
+>>> {name: (role.kind, role.axes) for name, role in roles.params.items()}
+... # doctest: +NORMALIZE_WHITESPACE
+{'1.weight': ('column', ('mlp', 'embed')), '1.bias': ('column', ('mlp',)), '3.weight': ('row', ('embed', 'mlp')),
+ '3.bias': ('replicated', (None,)), '0.weight': ('vocab', ('vocab', 'embed'))}
 """
 from __future__ import annotations
 
@@ -169,7 +174,7 @@ def _apply_group(group: list[Region], tp: int, roles: Roles, taken: dict[int, st
             roles.set(r.projection.bias, _replicated(r.projection.bias, why))
         taken[r.projection.node.index] = "replicated"
     for index, (node, param, dim) in rows.items():
-        axes = [None] * len(param.shape)
+        axes = ["embed"] * len(param.shape)
         axes[dim] = "heads" if attention else "mlp"
         cols = ", ".join(r.projection.name.rpartition(".")[0] for r in split_regions)
         roles.set(param, ParamRole("row", tuple(axes), f"row-parallel: contracts the split features of {cols}; "

@@ -19,7 +19,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from .llama import FeedForward, LlamaArgs, RMSNorm
+from . import llama
+from .llama import Llama, LlamaArgs
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:
@@ -35,18 +36,8 @@ def apply_rotary(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * rope[None, :, None, :]).flatten(3).type_as(x)
 
 
-class Attention(nn.Module):
-    """Causal grouped-query attention through ``F.scaled_dot_product_attention``."""
-
-    def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.n_kv_heads = args.n_kv_heads or args.n_heads
-        self.n_rep = args.n_heads // self.n_kv_heads
-        self.head_dim = args.dim // args.n_heads
-        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+class Attention(llama.Attention):
+    """Causal grouped-query attention through ``F.scaled_dot_product_attention`` (the same projections)."""
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         bs, seqlen, _ = x.shape
@@ -61,38 +52,14 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).contiguous().view(bs, seqlen, -1))
 
 
-class Block(nn.Module):
-    def __init__(self, args: LlamaArgs) -> None:
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+class CudaLlama(Llama):
+    """``forward(tokens [B, S]) -> logits [B, S, vocab]``; torchtitan's names, CUDA-style attention and rotary."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
-        return h + self.feed_forward(self.ffn_norm(h))
+    attention = Attention
 
-
-class CudaLlama(nn.Module):
-    """``forward(tokens [B, S]) -> logits [B, S, vocab]``; names as torchtitan's Llama."""
-
-    def __init__(self, args: LlamaArgs | None = None) -> None:
-        super().__init__()
-        self.args = args = args or LlamaArgs()
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in range(args.n_layers)})
-        self.norm = RMSNorm(args.dim, args.norm_eps)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
-        self.register_buffer("rope", rope_table(args.dim // args.n_heads, args.max_seq_len, args.rope_theta),
-                             persistent=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        rope = self.rope[: tokens.shape[1]]
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, rope)
-        return self.output(self.norm(h))
+    def _compute_rope(self, device: torch.device | None = None) -> torch.Tensor:
+        a = self.args
+        return rope_table(a.dim // a.n_heads, a.max_seq_len, a.rope_theta).to(device)
 
 
 def sp_plan_calls(model: CudaLlama) -> list[tuple[nn.Module, dict[str, ParallelStyle]]]:
