@@ -10,7 +10,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 from torch import nn
 
@@ -25,9 +25,13 @@ __all__ = ["FAMILIES", "Plan", "plan_for"]
 
 
 def axis_size(mesh: Any, tp_axis: str) -> int:
-    """Size of ``tp_axis`` in ``mesh`` (any mesh ``make_mesh``/``parallelize_xla`` accepts)."""
-    xmesh = to_xs_mesh(mesh)
-    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    """Size of ``tp_axis`` in ``mesh``: any mesh ``parallelize_xla`` accepts, or axis sizes
+    (``{"data": 2, "model": 4}``, which need no XLA runtime)."""
+    if isinstance(mesh, Mapping):
+        sizes = {canonical_axis(str(k)): int(v) for k, v in mesh.items()}
+    else:
+        xmesh = to_xs_mesh(mesh)
+        sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     axis = canonical_axis(tp_axis)
     if axis not in sizes:
         raise PlanError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: {list(sizes)})")
@@ -36,6 +40,8 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model") -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh``: recognised by module structure.
+
+    ``mesh`` is any mesh ``parallelize_xla`` accepts, or axis sizes such as ``{"model": 4}``.
 
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh=make_mesh(data=2, model=4)).family == "hf_decoder"``.
 
