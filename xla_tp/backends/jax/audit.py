@@ -83,7 +83,7 @@ class _CopyConstrainer(_Constrainer):
     """Each constraint step a new tensor, as on the real backends (the recorder tells constrained
     inputs from the arguments as given by identity)."""
 
-    def __init__(self, layout: Layout):  # noqa: no mesh: nothing is laid out
+    def __init__(self, layout: Layout):  # no mesh: nothing is laid out
         self.tp_axis, self.batch_axes, self.batch_size = layout.tp_axis, layout.batch_axes, 1
 
     def applies(self, x: Any) -> bool:

@@ -27,7 +27,8 @@ def to_jax_mesh(mesh: JaxMeshLike) -> Mesh:
     """A ``jax.sharding.Mesh`` whose axis names went through the aliases (``tp`` -> ``model``)."""
     if isinstance(mesh, Mesh):
         names = tuple(canonical_axis(str(a)) for a in mesh.axis_names)
-        _check_unique(names)
+        if len(set(names)) != len(names):
+            raise MeshError(f"mesh axis names {names} repeat after aliasing")
         return mesh if names == tuple(mesh.axis_names) else Mesh(mesh.devices, names)
     if mesh is not None and not isinstance(mesh, Mapping):
         raise MeshError(f"mesh must be a jax.sharding.Mesh, axis sizes such as {{'data': 2, 'model': 4}}, "
@@ -62,11 +63,6 @@ def axis_sizes(axes: Mapping[str, Optional[int]]) -> dict[str, int]:
             raise MeshError(f"mesh axis {name!r} has size {size!r}; sizes are positive ints")
         sizes[axis] = size
     return {a: sizes[a] for a in AXIS_ORDER if a in sizes}
-
-
-def _check_unique(names: tuple[str, ...]) -> None:
-    if len(set(names)) != len(names):
-        raise MeshError(f"mesh axis names {names} repeat after aliasing")
 
 
 def device_ids(mesh: Mesh) -> np.ndarray:

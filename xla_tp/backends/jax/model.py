@@ -13,6 +13,7 @@ parameters live in ``params`` as jax arrays laid out as the plan's layout says. 
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable
 
 import jax
@@ -44,6 +45,7 @@ class JaxModel:
         self.params = {n: to_jax(p, self.sharding(n)) for n, p in module.named_parameters()}
         self.buffers = {n: to_jax(b, NamedSharding(mesh, PartitionSpec())) for n, b in module.named_buffers()}
         self._outputs: dict[tuple, Outputs] = {}
+        self._takes_use_cache = "use_cache" in inspect.signature(type(module).forward).parameters
         self._forward = jax.jit(self._forward_fn, static_argnames=("static",))
 
     def sharding(self, name: str) -> NamedSharding:
@@ -63,8 +65,7 @@ class JaxModel:
         return flat
 
     def _defaults(self, kwargs: dict) -> dict:
-        forward = inspect.signature(type(self.module).forward).parameters
-        return {"use_cache": False, **kwargs} if "use_cache" in forward else kwargs
+        return {"use_cache": False, **kwargs} if self._takes_use_cache else kwargs
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, Inputs]:
         """``(arrays, static)`` for a call: torch tensors become jax arrays sharded on the batch."""
@@ -73,10 +74,7 @@ class JaxModel:
     def _to_array(self, x: Any) -> jax.Array:
         if isinstance(x, jax.Array):
             return x
-        sizes = dict(self.mesh.shape)
-        batch = 1
-        for axis in self.layout.batch_axes:
-            batch *= sizes[axis]
+        batch = math.prod(self.mesh.shape[a] for a in self.layout.batch_axes)
         spec = activation_spec(Replicate(), tuple(x.shape), self.layout.tp_axis, self.layout.batch_axes, batch)
         return to_jax(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
 

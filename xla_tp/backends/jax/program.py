@@ -103,7 +103,7 @@ class Outputs(NamedTuple):
 class JaxConstrainer(_Constrainer):
     """Layout chains as ``with_sharding_constraint`` on torchax tensors."""
 
-    def __init__(self, mesh: Mesh, layout: Layout):  # noqa: super().__init__ reads an xs.Mesh
+    def __init__(self, mesh: Mesh, layout: Layout):  # not super().__init__: that one reads an xs.Mesh
         self.mesh, self.tp_axis, self.batch_axes = mesh, layout.tp_axis, layout.batch_axes
         self.batch_size = math.prod(mesh.shape[a] for a in self.batch_axes)
 
