@@ -67,9 +67,10 @@ def main(argv=None) -> int:
         subprocess.run([sys.executable, "-m", "bench", "--child", str(child)], env=env, check=True)
         rows += json.loads(child.read_text())
     from .auto_sharding import summary
+    from .jax_route import NOTE as JAX_NOTE, ROUTE as JAX_ROUTE
     from .planning import planning_times
     from .render import CHART, render
-    extra = {"e_xla_auto_sharding": summary(rows),
+    extra = {"e_xla_auto_sharding": summary(rows), JAX_ROUTE: JAX_NOTE,
              "planning, Llama-3-70B shape on meta": json.dumps(planning_times())}
     (out / "routes.json").write_text(json.dumps({"rows": rows, **extra}, indent=1))
     render(rows, out, extra)

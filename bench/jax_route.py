@@ -20,6 +20,8 @@ from xla_tp.zoo import registry
 from .models import build
 
 ROUTE = "f_jax_torchax"
+NOTE = ("the same 'auto' plan compiled by JAX (torchax, Shardy); trace_x is a one-off there: JAX traces "
+        "once per input shape and reuses the executable, where torch_xla re-traces every step")
 
 
 def jax_row(family: str, width: str, sizes: dict[str, int]) -> dict[str, Any]:

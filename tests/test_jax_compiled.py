@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import xla_tp
-from xla_tp import ColwiseParallel, RowwiseParallel
+from xla_tp import ColwiseParallel, Replicate, RowwiseParallel
 from xla_tp.audit.hlo import parse_collectives
 from xla_tp.zoo import registry
 from xla_tp.zoo.llama import Llama, LlamaArgs, megatron_tp_plan
@@ -17,6 +17,14 @@ def test_colwise_rowwise_mlp_is_one_all_reduce(axes):
     colls = parse_collectives(jm.hlo(torch.randn(8, 16)))
     assert [c.kind for c in colls] == ["all-reduce"]
     assert colls[0].bytes == 8 // axes.get("data", 1) * 16 * 4  # the output, once
+
+
+def test_activation_layouts_become_sharding_constraints():
+    """``output_layouts=Replicate()`` gathers fc1's output (left alone, the compiler would rather
+    all-reduce fc2's partial sums: 4x fewer bytes)."""
+    jm = xla_tp.parallelize_jax(MLP(16, 64), {"fc1": ColwiseParallel(output_layouts=Replicate())}, mesh={"model": 8})
+    colls = parse_collectives(jm.hlo(torch.randn(8, 16)))
+    assert [(c.kind, c.shape) for c in colls] == [("all-gather", (8, 64))]
 
 
 @pytest.mark.parametrize("n_layers", [1, 2])
@@ -42,3 +50,15 @@ def test_hf_llama_auto_attention_stays_sharded():
     assert report.comm_ratio == 1.0 and report.compute_balance == 1.0
     assert report.param_memory_ratio < 1.02
 
+
+
+def test_without_einsum_attention_torchax_gathers_the_heads():
+    """The same plan as a plain dict (no ``prepare``): HF's sdpa through torchax all-gathers q, k, v
+    and runs attention replicated, as on torch_xla. Why "auto" switches attention to einsums."""
+    model = registry.build("llama")
+    plan = dict(xla_tp.plan_for(model, mesh={"data": 2, "model": 4}))
+    jm = xla_tp.parallelize_jax(model, plan, mesh={"data": 2, "model": 4})
+    assert model.config._attn_implementation != "xla_einsum"
+    report = jm.audit(registry.example_input("llama"))
+    assert report.count("all-gather") == 3 * model.config.num_hidden_layers  # q, k and v of every layer
+    assert report.compute_balance > 1.05

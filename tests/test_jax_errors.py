@@ -58,6 +58,7 @@ def test_a_jax_mesh_with_aliased_axis_names():
     assert jm.params["fc1.weight"].sharding.spec == ("model", None)
     x = torch.randn(8, 16)
     assert jm(x).shape == (8, 16)
+    assert torch.equal(jm(x.numpy()), jm(x))  # numpy arrays are inputs too
 
 
 def test_arguments_and_outputs_that_cannot_cross_jit():

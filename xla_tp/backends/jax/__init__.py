@@ -13,17 +13,24 @@ function. Needs the ``[jax]`` extra (jax, jaxlib, torchax). Example::
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, Mapping, Union
 
 from torch import nn
 
+from ...api import PlanLike, layout_for, resolve_plan
 from ...errors import PlanError
+from ...mesh import canonical_axis
+
+if TYPE_CHECKING:
+    from jax.sharding import Mesh
+
+    from .model import JaxModel
 
 EXTRA = "the JAX backend needs jax, jaxlib and torchax: pip install 'xla_tp[jax]'"
 
 
-def parallelize_jax(model: nn.Module, plan: Any = "auto", mesh: Any = None, *, tp_axis: str = "model",
-                    strict: bool = True) -> Any:
+def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh", Mapping[str, int], None] = None,
+                    *, tp_axis: str = "model", strict: bool = True) -> "JaxModel":
     """Shard ``model``'s parameters on a JAX mesh following ``plan``; a ``JaxModel``.
 
     ``plan`` takes everything ``parallelize_xla`` takes. ``mesh`` is a ``jax.sharding.Mesh``, axis
@@ -43,9 +50,6 @@ def parallelize_jax(model: nn.Module, plan: Any = "auto", mesh: Any = None, *, t
         from .model import JaxModel
     except ImportError as e:
         raise ImportError(f"{EXTRA} ({e})") from e
-    from ...api import layout_for, resolve_plan
-    from ...mesh import canonical_axis
-
     meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if meta:
         raise PlanError(f"parallelize_jax: {meta[0]!r} ({len(meta)} tensors in all) is on the meta device; "

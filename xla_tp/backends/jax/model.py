@@ -17,6 +17,8 @@ import math
 from typing import Any, Callable
 
 import jax
+import numpy as np
+import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torch import nn
 from torch.distributed.tensor.placement_types import Replicate
@@ -31,7 +33,7 @@ LossFn = Callable[..., Any]  # loss_fn(module, *batch, **kwargs) -> scalar torch
 class JaxModel:
     """``module`` sharded on ``mesh`` by ``layout``, run through JAX.
 
-    - ``jm(*args, **kwargs)``: jitted forward; torch tensors (or jax arrays) in, the module's
+    - ``jm(*args, **kwargs)``: jitted forward; torch tensors (or jax / numpy arrays) in, the module's
       output structure with CPU torch tensors out. Inputs are sharded on the batch (dim 0) over the
       data axes. Hugging Face models run with ``use_cache=False`` unless told otherwise.
     - ``params`` / ``buffers``: FQN -> jax array (tied parameters appear once, under their first name).
@@ -74,6 +76,8 @@ class JaxModel:
     def _to_array(self, x: Any) -> jax.Array:
         if isinstance(x, jax.Array):
             return x
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
         batch = math.prod(self.mesh.shape[a] for a in self.layout.batch_axes)
         spec = activation_spec(Replicate(), tuple(x.shape), self.layout.tp_axis, self.layout.batch_axes, batch)
         return to_jax(x, NamedSharding(self.mesh, PartitionSpec(*spec)))

@@ -20,6 +20,7 @@ import math
 from typing import Any, Callable, NamedTuple
 
 import jax
+import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torch import nn
@@ -69,7 +70,7 @@ class Inputs(NamedTuple):
 
 
 def is_array(x: Any) -> bool:
-    return isinstance(x, (torch.Tensor, jax.Array))
+    return isinstance(x, (torch.Tensor, jax.Array, np.ndarray))
 
 
 def signature(arrays: tuple, static: Inputs) -> tuple:
