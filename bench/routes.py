@@ -21,6 +21,7 @@ from xla_tp.plan.normalize import build_layout
 from xla_tp.planners import plan_for
 from xla_tp.zoo import registry
 
+from .jax_route import ROUTE as JAX_ROUTE, jax_row
 from .models import build
 from .plans import hand_apply, plan_layout, to_torch_plan
 
@@ -80,9 +81,6 @@ ROUTES: dict[str, Callable] = {
     "d_torch_parallelize_module": _torch_parallelize_module,
     "g_replicated": _replicated,
 }
-NOT_RUN = {
-    "f_jax_torchax": "not available: the JAX issue has not landed",
-}
 
 
 def trace_time(model, batch) -> float:
@@ -101,8 +99,11 @@ def run_route(route: str, family: str, width: str, mesh, unsharded: dict) -> dic
     """
     row: dict[str, Any] = {"route": route, "family": family, "width": registry.WIDTHS[width],
                            "mesh": mesh_name(mesh)}
-    if route in NOT_RUN:
-        return {**row, "status": NOT_RUN[route]}
+    if route == JAX_ROUTE:
+        try:
+            return {**row, **jax_row(family, width, _sizes(mesh))}
+        except Exception as error:
+            return _failed(row, error)
     model, batch, plan = build(family, width)
     try:
         model, layout, row["how"] = ROUTES[route](model, plan, mesh)
@@ -116,8 +117,13 @@ def run_route(route: str, family: str, width: str, mesh, unsharded: dict) -> dic
         report = audit_here(model, (x,), mesh, False, layout, unsharded[key])
         row["compile_s"] = time.perf_counter() - start  # trace + compile of the forward
         row["trace_s"] = trace_time(model, x)
-    except Exception as error:  # a route failing is a result, recorded as such
-        return {**row, "status": f"fails: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    except Exception as error:
+        return _failed(row, error)
     data = report.to_dict()
     return {**row, "status": "ok", "all_gathers": report.count("all-gather"),
             **{k: data[k] for k in ("comm_ratio", "compute_balance", "param_memory_ratio", "collectives")}}
+
+
+def _failed(row: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """A route failing is a result, recorded as such."""
+    return {**row, "status": f"fails: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}

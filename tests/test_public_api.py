@@ -8,7 +8,7 @@ import xla_tp.audit.hlo  # importing a submodule must not turn xla_tp.audit back
 def test_design_names_exist():
     for name in ("make_mesh", "parallelize_xla", "parallelize_module", "plan_for", "audit", "AuditReport",
                  "PlanError", "MeshError", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-                 "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput"):
+                 "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_jax"):
         assert hasattr(xla_tp, name), name
     assert issubclass(xla_tp.PlanError, ValueError) and issubclass(xla_tp.MeshError, ValueError)
 

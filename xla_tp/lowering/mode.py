@@ -1,7 +1,8 @@
 """The lowering mode: during a parallelized forward, ops that would hide a sharding are rewritten.
 
 A ``TorchFunctionMode`` is active while a parallelized module runs (``install`` adds a forward
-pre-hook and an always-called forward hook; nested modules share one activation). On XLA tensors:
+pre-hook and an always-called forward hook; nested modules share one activation). On XLA tensors
+(torch_xla's, and torchax's when the JAX backend traces the same module):
 
 - ``F.scaled_dot_product_attention``, ``matmul``/``@`` of rank >= 4 and torch's
   ``multi_head_attention_forward`` become einsums that keep heads visible (``attention``);
@@ -36,7 +37,8 @@ _state = threading.local()
 
 
 def _is_xla(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.device.type == "xla"
+    """An XLA tensor: torch_xla's, or torchax's (device "jax") when the JAX backend traces."""
+    return isinstance(t, torch.Tensor) and t.device.type in ("xla", "jax")
 
 
 def layer_norm(x: torch.Tensor, normalized_shape: Any, weight: Optional[torch.Tensor] = None,

@@ -33,9 +33,13 @@ __all__ = ["Plan", "plan_for"]
 
 
 def axis_size(mesh: Any, tp_axis: str) -> int:
-    """Size of ``tp_axis`` in ``mesh`` (any mesh ``make_mesh``/``parallelize_xla`` accepts)."""
-    xmesh = to_xs_mesh(mesh)
-    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    """Size of ``tp_axis`` in ``mesh``: any mesh ``parallelize_xla`` accepts, or axis sizes
+    (``{"data": 2, "model": 4}``, which need no XLA runtime)."""
+    if isinstance(mesh, Mapping):
+        sizes = {canonical_axis(str(k)): int(v) for k, v in mesh.items()}
+    else:
+        xmesh = to_xs_mesh(mesh)
+        sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     axis = canonical_axis(tp_axis)
     if axis not in sizes:
         raise PlanError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: {list(sizes)})")
@@ -47,10 +51,11 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_kwargs: Optional[Mapping[str, Any]] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
-    Without ``example_inputs`` an input is synthesised (token ids for a model that starts with an
-    embedding, floats of its first layer's width otherwise). Attention that cannot be split is a
-    ``PlanError``; a weight whose role cannot be determined stays replicated, its reason in
-    ``plan.replicated``. Example: ``plan_for(LlamaForCausalLM(cfg), mesh=make_mesh(model=4))``.
+    ``mesh`` is any mesh ``parallelize_xla`` accepts, or axis sizes such as ``{"model": 4}``. Without
+    ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
+    floats of its first layer's width otherwise). Attention that cannot be split is a ``PlanError``;
+    a weight whose role cannot be determined stays replicated, its reason in ``plan.replicated``.
+    Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
