@@ -40,10 +40,9 @@ def test_llama_block_is_two_all_reduces_per_layer(n_layers):
 
 
 def test_hf_llama_auto_attention_stays_sharded():
-    """HF Llama under "auto": einsum attention keeps heads sharded (torchax's SDPA would gather q, k, v)."""
+    """HF Llama under "auto": its own SDPA is lowered to einsums, so heads stay split on JAX too."""
     model = registry.build("llama")
     jm = xla_tp.parallelize_jax(model, "auto", mesh={"data": 2, "model": 4})
-    assert model.config._attn_implementation == "xla_einsum"
     report = jm.audit(registry.example_input("llama"))
     layers = model.config.num_hidden_layers
     assert {k: v["count"] for k, v in report.collectives.items()} == {"all-reduce": 1 + 2 * layers}  # + embedding
@@ -51,14 +50,15 @@ def test_hf_llama_auto_attention_stays_sharded():
     assert report.param_memory_ratio < 1.02
 
 
-
-def test_without_einsum_attention_torchax_gathers_the_heads():
-    """The same plan as a plain dict (no ``prepare``): HF's sdpa through torchax all-gathers q, k, v
-    and runs attention replicated, as on torch_xla. Why "auto" switches attention to einsums."""
+def test_without_the_lowering_torchax_gathers_the_heads():
+    """The same plan with the lowering mode taken off: HF's SDPA through torchax all-gathers q, k and v
+    and runs attention replicated, as on torch_xla. Why every parallelized forward runs under it."""
     model = registry.build("llama")
     plan = dict(xla_tp.plan_for(model, mesh={"data": 2, "model": 4}))
     jm = xla_tp.parallelize_jax(model, plan, mesh={"data": 2, "model": 4})
-    assert model.config._attn_implementation != "xla_einsum"
+    assert jm.audit(registry.example_input("llama")).count("all-gather") == 0
+    for module in model.modules():
+        xla_tp.lowering.uninstall(module)
     report = jm.audit(registry.example_input("llama"))
     assert report.count("all-gather") == 3 * model.config.num_hidden_layers  # q, k and v of every layer
     assert report.compute_balance > 1.05

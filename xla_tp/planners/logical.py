@@ -17,7 +17,7 @@ from typing import Mapping, Optional
 from torch import nn
 from torch.distributed.tensor.placement_types import Placement
 
-from ..plan.layout import ModuleLayout
+from ..plan.layout import Chain, ModuleLayout
 from ..plan.styles import ShardParams, Style
 
 TP = "tp"  # stands for the tensor-parallel axis of the mesh the plan is applied on
@@ -47,10 +47,11 @@ class LogicalStyle(Style):
     params: Mapping[str, tuple[Optional[str], ...]] = field(default_factory=dict)
     role: str = ""
     natural_output: Optional[Placement] = None  # Partial() for a row-parallel module (see ModuleLayout)
+    outputs: tuple[Chain, ...] = ()  # output constraints (an output head keeps its logits split)
 
     def lower(self, fqn: str, module: nn.Module, key: str, tp_axis: str) -> ModuleLayout:
         specs = {n: tuple(mesh_axis(a) for a in axes) for n, axes in self.params.items()}
-        ml = ShardParams(specs, natural_output=self.natural_output).lower(fqn, module, key, tp_axis)
+        ml = ShardParams(specs, outputs=self.outputs, natural_output=self.natural_output).lower(fqn, module, key, tp_axis)
         ml.style = self.role or repr(self)
         return ml
 

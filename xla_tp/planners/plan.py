@@ -112,8 +112,11 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
         kind = "head"
     elif kind in ("vocab", "head"):
         kind = "vocab"
+    # an output head's logits are held split (and their gradient): a compiler left to choose may
+    # compute part of the head's backward whole (measured with JAX's partitioner)
+    outputs = ((Shard(-1),),) if kind == "head" else ()
     return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, KIND_TEXT[kind],
-                        Partial() if natural == "partial" else Shard(-1))
+                        Partial() if natural == "partial" else Shard(-1), outputs)
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:

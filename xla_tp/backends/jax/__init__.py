@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Union
 
 from torch import nn
 
+from ... import lowering
 from ...api import PlanLike, layout_for, resolve_plan
 from ...errors import PlanError
 from ...mesh import canonical_axis
@@ -60,6 +61,7 @@ def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh
     tp_axis = canonical_axis(tp_axis)
     plan = resolve_plan(model, plan, axes, tp_axis)
     layout = layout_for(model, plan, axes, tp_axis, strict, lambda spec: None)
+    lowering.install(model)  # attention with visible heads, whoever wrote the plan (as on torch_xla)
     return JaxModel(model, layout, jmesh, plan)
 
 
