@@ -16,8 +16,11 @@ setup(
     ],
     extras_require={
         "hf": ["transformers==5.23.0"],
-        "test": ["pytest", "transformers==5.23.0", "matplotlib", "torchao==0.14.1"],  # matplotlib: the bench chart
+        # the JAX backend (parallelize_jax); these pins install beside torch 2.9.0 / torch_xla 2.9.0
+        "jax": ["jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.13"],
         "torchao": ["torchao==0.14.1"],  # low-precision optimizers; 0.14.1 is the release that imports with torch 2.9
+        "test": ["pytest", "transformers==5.23.0", "matplotlib",  # matplotlib: the bench chart
+                 "jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.13", "torchao==0.14.1"],
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )

@@ -15,6 +15,8 @@ import torch_xla.distributed.spmd as xs  # noqa: E402
 
 from xla_tp.mesh import ensure_runtime  # noqa: E402
 
+from .titan import titan_single_call  # noqa: E402,F401  (session fixture: multi-call and plain-script tests)
+
 ensure_runtime()
 
 

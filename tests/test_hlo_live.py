@@ -15,8 +15,10 @@ import torch_xla  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
-from xla_tp.audit.hlo import (capture_partitioned_hlo, collective_summary, dot_flops,  # noqa: E402
-                              mesh_axes_of_groups, parse_collectives)
+from xla_tp.audit.capture import capture_partitioned_hlo  # noqa: E402
+from xla_tp.audit.hlo import collective_summary, dot_flops, mesh_axes_of_groups, parse_collectives  # noqa: E402
+
+from .fresh import user_env  # noqa: E402
 
 if not xr.is_spmd():
     xr.use_spmd()
@@ -65,30 +67,37 @@ def test_capture_refuses_materialised_tensors():
 
 CAPTURE_SCRIPT = """
 import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
-from xla_tp.audit.hlo import capture_partitioned_hlo
+from xla_tp.audit.capture import capture_partitioned_hlo
 if {spmd}:
     xr.use_spmd()
 a = torch.randn(16, 8).to(torch_xla.device())
 if {spmd}:
     xs.mark_sharding(a, xs.Mesh(np.arange(8), (8,), ("model",)), ("model", None))
 try:
-    capture_partitioned_hlo([a * 2])
+    print(capture_partitioned_hlo([(a * 2).sum()]))
 except RuntimeError as error:
     print(error)
 """
 
 
 @pytest.mark.parametrize("post_optimizations, spmd, expected", [
-    (False, True, "XLA_DUMP_POST_OPTIMIZATIONS=1 before the first HLO query"),
-    (True, False, "use_spmd()"),
+    (False, True, "all-reduce"),   # partitioned by jaxlib's XLA: the sum over the sharded dim is reduced
+    (False, False, "use_spmd()"),  # SPMD never turned on: refused, with what to do
 ])
-def test_capture_explains_missing_setup(post_optimizations, spmd, expected):
-    unset = ("XLA_DUMP_POST_OPTIMIZATIONS", "XLA_USE_SPMD")
-    env = {key: value for key, value in os.environ.items() if key not in unset}
+def test_capture_with_and_without_post_optimization_flag(post_optimizations, spmd, expected):
+    env = user_env()
     if post_optimizations:
         env["XLA_DUMP_POST_OPTIMIZATIONS"] = "1"
     script = CAPTURE_SCRIPT.format(spmd=spmd)
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                             timeout=300, cwd=Path(__file__).parent.parent)
-    assert "not post-SPMD-partitioning HLO" in result.stdout, result.stderr[-2000:]
-    assert expected in result.stdout
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert expected in result.stdout, result.stdout[-2000:]
+    if spmd:
+        assert "_spmd" in result.stdout
+
+
+def test_a_program_jaxlib_cannot_compile_names_the_way_out():
+    from xla_tp.audit.capture import partition_with_jaxlib
+    with pytest.raises(RuntimeError, match="(?s)could not compile.*XLA_DUMP_POST_OPTIMIZATIONS=1"):
+        partition_with_jaxlib("HloModule broken\n\nENTRY %e { ROOT %x = f32[] nonsense() }", 8)

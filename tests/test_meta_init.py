@@ -10,6 +10,7 @@ import torch
 import torch_xla
 
 import xla_tp
+from xla_tp.plan.applied import layout_of
 from xla_tp.zoo.registry import build, example_input, run
 
 from .helpers import expected_sharding, sharding
@@ -25,7 +26,7 @@ def test_meta_hf_llama_initialises_with_its_own_init_weights():
     xla_tp.parallelize_xla(model, "auto", mesh=mesh)  # LlamaRMSNorm has no reset_parameters
     for name, p in model.named_parameters():
         assert p.device.type == "xla" and sharding(p) == expected_sharding(
-            tuple(p.shape), mesh, model._xla_tp_layout.params[name]), name
+            tuple(p.shape), mesh, layout_of(model).params[name]), name
     layer = model.model.layers[0]
     assert torch.equal(layer.input_layernorm.weight.cpu(), torch.ones(64))
     std = layer.mlp.up_proj.weight.cpu().std().item()

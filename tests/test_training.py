@@ -10,6 +10,7 @@ import torchao.optim as torchao_optim  # the [test] extra installs torchao==0.14
 from torch.utils.checkpoint import checkpoint
 
 import xla_tp
+from xla_tp.plan.applied import layout_of
 from xla_tp.zoo.registry import VOCAB, build, run
 
 from .helpers import MLP, expected_sharding, grads, max_err, sharding
@@ -45,7 +46,7 @@ def test_five_adamw_steps_match_cpu_with_everything_sharded_over_both_axes():
             losses[key].append(loss.item())
     assert max(abs(a - b) for a, b in zip(losses["xla"], losses["cpu"])) < 1e-4, losses
     assert losses["xla"][-1] < losses["xla"][0]
-    specs = model._xla_tp_layout.params
+    specs = layout_of(model).params
     for name, p in model.named_parameters():
         spec = specs[name]
         assert _axes(spec) == ({"fsdp", "model"} if p.dim() == 2 else {"fsdp"}), (name, spec)  # norms: 1-D

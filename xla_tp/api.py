@@ -9,20 +9,23 @@ as it was. Example::
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .backends import get_backend
+from . import lowering
 from .backends.place import place_module
 from .checkpoint.export import host_save_pretrained
 from .constraints import install_constraints
 from .errors import PlanError
 from .inference import make_inference_safe
-from .mesh import MeshLike, canonical_axis, to_xs_mesh
+from .mesh import MeshLike, XlaDeviceMesh, canonical_axis, to_xs_mesh
+from .plan.applied import applied_layout, record_layout, stale_params
 from .plan.hf import hf_plan
-from .plan.normalize import build_layout
+from .plan.layout import Layout, Spec
+from .plan.normalize import BATCH_AXES, build_layout
 from .recompute import enable_activation_checkpointing
 from .validate import validate
 
@@ -48,32 +51,51 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     xmesh = to_xs_mesh(mesh)
     axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     tp_axis = canonical_axis(tp_axis)
+    plan = resolve_plan(module, plan, xmesh, tp_axis)
+    layout = layout_for(module, plan, axes, tp_axis, strict, check_spec)
+    place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
+    install_constraints(module, layout, xmesh, replacing=applied_layout(module))
+    lowering.install(module)
+    make_inference_safe(module)
+    host_save_pretrained(module)
+    enable_activation_checkpointing()
+    record_layout(module, layout)
+    return module
+
+
+def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str) -> Union[dict, ParallelStyle]:
+    """The plan dict for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for``.
+
+    ``mesh`` is anything ``plan_for`` takes (an ``xs.Mesh``, axis sizes). Example:
+    ``resolve_plan(model, "auto", {"data": 2, "model": 4}, "model")["lm_head"].role == "vocab-parallel output head"``.
+    """
     if plan == "hf":
-        plan = hf_plan(module)
-    elif isinstance(plan, str):
+        return hf_plan(module)
+    if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
         from .planners import plan_for
-        plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
+        return plan_for(module, mesh=mesh, tp_axis=tp_axis)
+    return plan
+
+
+def layout_for(module: nn.Module, plan: Union[dict, ParallelStyle], axes: dict[str, int], tp_axis: str,
+               strict: bool, check_spec: Callable[[Spec], Optional[str]]) -> Layout:
+    """Normalise and validate ``plan``, then let the plan prepare the model; the validated ``Layout``.
+
+    Any backend calls this before it places a parameter. A planner's Plan may re-lay packed weights
+    device-major (same shapes) and name the modules the lowering mode must cover; both run only once
+    the plan has validated on the model as it was, so after a ``PlanError`` the model is untouched.
+    Example: ``layout_for(model, plan, {"model": 4}, "model", True, lambda spec: None)``.
+    """
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes, check_spec)
-    # A planner's Plan may re-lay packed weights head-aligned (state_dict shapes unchanged) and swap
-    # in XLA-friendly forwards. Both run only once the plan has validated on the model as it was;
-    # the layout is then rebuilt for the re-laid parameters (the planner re-lays only what divides).
-    relayout = getattr(plan, "relayout", None)
-    if relayout is not None:
-        relayout(module)
-        layout = build_layout(module, plan, axes, tp_axis, strict)
-        validate(module, layout, axes, check_spec)
+    # Nothing has been touched so far. A planner's Plan may re-lay packed weights device-major (same
+    # shapes, so the layout above holds) and name modules the lowering mode must cover.
+    getattr(plan, "relayout", lambda m: None)(module)
     getattr(plan, "prepare", lambda m: None)(module)
-    place_module(module, layout.params, xmesh, shard)
-    install_constraints(module, layout, xmesh)
-    make_inference_safe(module)
-    host_save_pretrained(module)
-    enable_activation_checkpointing()
-    module._xla_tp_layout = layout
-    return module
+    return layout
 
 
 def parallelize_module(module: nn.Module, device_mesh: Any = None,
@@ -81,17 +103,26 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
                        src_data_rank: Any = 0) -> nn.Module:
     """torch's ``parallelize_module`` signature, applied the xla_tp way.
 
-    The mesh's only axis (or its ``model``/``tp`` axis) is the tensor-parallel axis.
-    ``src_data_rank`` is accepted for compatibility: under SPMD there is one process that
-    holds the full tensor, so there is nothing to broadcast. Example::
+    The tensor-parallel axis is the axis a slice of ``xla_tp.init_device_mesh`` selects
+    (``world["tp"]``: the batch stays sharded over the whole mesh's other axes), else the mesh's
+    only axis, else its ``model``/``tp`` axis. ``src_data_rank`` is accepted for compatibility:
+    under SPMD there is one process that holds the full tensor, so there is nothing to broadcast.
+    Example::
 
         parallelize_module(model, DeviceMesh("xla", list(range(4))), {"fc1": ColwiseParallel()})
+        world = xla_tp.init_device_mesh("xla", (2, 4), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, world["tp"], {"fc1": ColwiseParallel()})
     """
     xmesh = to_xs_mesh(device_mesh)
     names = tuple(xmesh.axis_names)
-    tp_axis = names[0] if len(names) == 1 else "model"
+    sliced = device_mesh.sliced_axis() if isinstance(device_mesh, XlaDeviceMesh) else None
+    tp_axis = sliced or (names[0] if len(names) == 1 else "model")
     if tp_axis not in names:
         raise PlanError(f"parallelize_module: the mesh has axes {names} and none is the tensor-parallel "
                         f"axis; pass a 1-D mesh or name one axis 'tp' or 'model'")
+    if tp_axis in BATCH_AXES:
+        raise PlanError(f"parallelize_module: the mesh's axis {tp_axis!r} carries the batch, so it cannot be "
+                        f"the tensor-parallel axis; pass the tensor-parallel slice (e.g. world['tp']) or "
+                        f"name the axis 'tp'")
     return parallelize_xla(module, parallelize_plan if parallelize_plan is not None else {},
                            xmesh, tp_axis=tp_axis, strict=False)

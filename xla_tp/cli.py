@@ -6,7 +6,7 @@
 A model is a name from ``xla_tp.zoo.registry`` (built with ``registry.build``, run on
 ``registry.example_input``) or a path to an HF ``config.json``; the plan is ``plan_for``'s. The CLI is
 its own process, so it sets ``XLA_DUMP_POST_OPTIMIZATIONS=1`` (and, on CPU, as many devices as the
-mesh needs) before torch_xla starts: the audit runs in-process, no subprocess needed.
+mesh needs) before torch_xla starts: the audit reads the device compiler's own program.
 """
 from __future__ import annotations
 

@@ -11,16 +11,18 @@ spec per tensor, no allocation beyond the annotated copy. Example::
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
+from torch.distributed.tensor.placement_types import Shard
 
+from .errors import PlanError
 from .plan.layout import Chain, Layout, ModuleLayout, activation_spec
 
-_HANDLES = "_xla_tp_hooks"
+_HANDLES = "_xla_tp_hooks"  # on each hooked module: (layout that installed them, handles)
 
 
 class ShardingConstraint(torch.autograd.Function):
@@ -52,45 +54,98 @@ class _Constrainer:
         sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
         self.batch_size = math.prod(sizes[a] for a in self.batch_axes)
 
-    def __call__(self, x: Any, placements: Chain) -> Any:
-        if not placements or not isinstance(x, torch.Tensor) or x.device.type != "xla" or x.dim() == 0:
+    def applies(self, x: Any) -> bool:
+        """Whether ``x`` is a tensor this backend constrains (here: an XLA tensor)."""
+        return isinstance(x, torch.Tensor) and x.device.type == "xla"
+
+    def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
+        """``x`` laid out as ``spec``, its gradient too."""
+        return ShardingConstraint.apply(x, self.mesh, spec)
+
+    def __call__(self, x: Any, placements: Chain, ml: ModuleLayout, role: str, index: Any) -> Any:
+        if not placements or not self.applies(x) or x.dim() == 0:
             return x
         for p in placements:
-            spec = activation_spec(p, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size)
-            x = ShardingConstraint.apply(x, self.mesh, spec)
+            _check_rank(p, x, ml, role, index)
+            x = self.constrain(x, activation_spec(p, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size))
         return x
 
     def pre_hook(self, ml: ModuleLayout):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
-            args = tuple(self(a, ml.inputs[i]) if i < len(ml.inputs) else a for i, a in enumerate(args))
-            kwargs = {k: self(v, ml.kwarg_inputs.get(k, ())) for k, v in kwargs.items()}
+            args = tuple(self(a, ml.inputs[i], ml, "input", i) if i < len(ml.inputs) else a
+                         for i, a in enumerate(args))
+            kwargs = {k: self(v, ml.kwarg_inputs.get(k, ()), ml, "keyword input", k) for k, v in kwargs.items()}
             return args, kwargs
         return hook
 
     def post_hook(self, ml: ModuleLayout):
         def hook(module: nn.Module, args: tuple, output: Any):
             if isinstance(output, torch.Tensor):
-                return self(output, ml.outputs[0])
+                return self(output, ml.outputs[0], ml, "output", 0)
             if isinstance(output, (tuple, list)):
-                done = [self(o, ml.outputs[i]) if i < len(ml.outputs) else o for i, o in enumerate(output)]
+                done = [self(o, ml.outputs[i], ml, "output", i) if i < len(ml.outputs) else o
+                        for i, o in enumerate(output)]
                 return type(output)(done)
             return None
         return hook
 
 
-def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh) -> None:
+def _check_rank(placement: Any, x: torch.Tensor, ml: ModuleLayout, role: str, index: Any) -> None:
+    """``PlanError`` when ``placement`` names a dimension ``x`` lacks (a spec of the wrong length)."""
+    ndim = x.dim()
+    if isinstance(placement, Shard):
+        if -ndim <= placement.dim < ndim:
+            return
+        problem = f"shards dim {placement.dim}"
+    elif isinstance(placement, tuple):
+        if len(placement) == ndim:
+            return
+        problem = f"has {len(placement)} entries"
+    else:
+        return
+    raise PlanError(f"plan key {ml.source!r} ({ml.style} on module {ml.fqn or '<root>'!r}): the layout "
+                    f"{placement!r} of {role} {index!r} {problem}, but that tensor has shape {tuple(x.shape)} "
+                    f"({ndim} dims); fix the layout in the plan (negative dims count from the end)")
+
+
+def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh, replacing: Optional[Layout] = None) -> None:
     """Add the hooks for every module layout that constrains activations.
 
-    Parallelizing the same root again replaces the hooks of the previous call.
+    Hooks are kept on the module they run on, tagged with the layout that installed them. A
+    module this layout plans drops the hooks of earlier calls; ``replacing`` (the layout of the
+    previous call on ``root``) drops the hooks that call installed on modules this one leaves out.
+    Hooks that other calls (on parents or children of ``root``) installed elsewhere stay.
     """
-    for handle in getattr(root, _HANDLES, []):
-        handle.remove()
+    for fqn, mod in root.named_modules():
+        tag, handles = getattr(mod, _HANDLES, (None, ()))
+        if handles and (fqn in layout.modules or (replacing is not None and tag is replacing)):
+            for handle in handles:
+                handle.remove()
+            delattr(mod, _HANDLES)
     constrain = _Constrainer(mesh, layout)
-    handles = []
     for fqn, ml in layout.modules.items():
         mod = root.get_submodule(fqn) if fqn else root
-        if any(ml.inputs) or any(ml.kwarg_inputs.values()):
-            handles.append(mod.register_forward_pre_hook(constrain.pre_hook(ml), with_kwargs=True))
-        if any(ml.outputs):
-            handles.append(mod.register_forward_hook(constrain.post_hook(ml)))
-    setattr(root, _HANDLES, handles)
+        handles = module_hooks(mod, ml, constrain)
+        if handles:
+            setattr(mod, _HANDLES, (layout, handles))
+
+
+def module_hooks(mod: nn.Module, ml: ModuleLayout, constrain: _Constrainer) -> list[Any]:
+    """Forward (pre-)hooks on ``mod`` applying ``constrain`` to ``ml``'s chains; their handles."""
+    handles = []
+    if any(ml.inputs) or any(ml.kwarg_inputs.values()):
+        handles.append(mod.register_forward_pre_hook(constrain.pre_hook(ml), with_kwargs=True))
+    if any(ml.outputs):
+        handles.append(mod.register_forward_hook(constrain.post_hook(ml)))
+    return handles
+
+
+def register_hooks(root: nn.Module, layout: Layout, constrain: _Constrainer) -> list[Any]:
+    """``module_hooks`` on every module ``layout`` plans, untagged (the caller removes them)."""
+    return [h for fqn, ml in layout.modules.items()
+            for h in module_hooks(root.get_submodule(fqn) if fqn else root, ml, constrain)]
+
+
+def constraint_hooks(root: nn.Module) -> list[Any]:
+    """The handles of every xla_tp constraint hook on ``root`` and its submodules (for suspending them)."""
+    return [handle for mod in root.modules() for handle in getattr(mod, _HANDLES, (None, ()))[1]]

@@ -1,21 +1,25 @@
-"""Meshes: ``make_mesh`` and the conversion of every mesh a user may hold into an ``xs.Mesh``.
+"""Meshes: ``make_mesh``, torch's ``init_device_mesh``, and the conversion of every mesh a user
+may hold into an ``xs.Mesh``.
 
 Axis names are ``data``, ``fsdp`` and ``model`` (aliases ``tp``/``tensor`` -> ``model``,
 ``dp`` -> ``data``). Example::
 
     mesh = make_mesh(data=2, model=4)     # 2 x 4 over 8 devices
     mesh = make_mesh(model=None)          # 1-D over all devices
+    world = init_device_mesh("xla", (2, 4), mesh_dim_names=("dp", "tp"))   # torch's idiom
+    parallelize_module(model, world["tp"], plan)   # tensor parallel over tp, batch over dp
 """
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
+from torch.distributed.device_mesh import DeviceMesh
 
 from .errors import MeshError
 
@@ -92,7 +96,80 @@ def make_mesh(**axes: Optional[int]) -> xs.Mesh:
     return mesh
 
 
-MeshLike = Union[xs.Mesh, "torch.distributed.device_mesh.DeviceMesh", None]
+class XlaDeviceMesh(DeviceMesh):
+    """A ``DeviceMesh("xla", ...)`` that slices the way torch's does on GPUs.
+
+    Under SPMD one process drives every device and there are no process groups, so torch's own
+    slicing fails on an XLA mesh. Here ``world["tp"]`` is a 1-D ``DeviceMesh`` over the ``tp``
+    axis (the row through device 0) that remembers the whole mesh: xla_tp shards over ``tp``
+    and keeps the batch sharded over the whole mesh's other axes. Built by ``init_device_mesh``.
+    """
+
+    def __init__(self, mesh: torch.Tensor, mesh_dim_names: Optional[tuple[str, ...]],
+                 whole: Optional["XlaDeviceMesh"] = None):
+        super().__init__("xla", mesh, mesh_dim_names=mesh_dim_names, _init_backend=False)
+        self.whole = whole if whole is not None else self
+
+    def __getitem__(self, mesh_dim_names: Union[str, tuple[str, ...]]) -> "XlaDeviceMesh":
+        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        if not self.mesh_dim_names:
+            raise MeshError("this DeviceMesh has no mesh_dim_names to slice by; pass mesh_dim_names= to "
+                            "init_device_mesh")
+        if names == self.mesh_dim_names:
+            return self
+        unknown = [n for n in names if n not in self.mesh_dim_names]
+        if unknown or len(set(names)) != len(names):
+            raise MeshError(f"cannot slice {names} out of a mesh with dims {self.mesh_dim_names}: name each "
+                            f"dim at most once, from {self.mesh_dim_names}")
+        dims = [self.mesh_dim_names.index(n) for n in names]
+        rest = [d for d in range(self.mesh.ndim) if d not in dims]
+        ids = self.mesh.permute(*rest, *dims)[(0,) * len(rest)]
+        return XlaDeviceMesh(ids, names, whole=self.whole)
+
+    def sliced_axis(self) -> Optional[str]:
+        """The (canonical) axis a 1-D slice selects: ``world["tp"].sliced_axis() == "model"``."""
+        if self.whole is self or self.mesh.ndim != 1:
+            return None
+        return canonical_axis(self.mesh_dim_names[0])
+
+    def _no_ranks(self, *args: Any, **kwargs: Any) -> Any:
+        raise MeshError("under SPMD one process drives every device of an XLA mesh: there are no ranks, "
+                        "coordinates or process groups. Feed the global batch; xla_tp shards it over the "
+                        "batch axes and the compiler inserts the collectives")
+
+    get_coordinate = get_local_rank = get_group = get_all_groups = _no_ranks
+
+
+def init_device_mesh(device_type: str, mesh_shape: tuple[int, ...], *,
+                     mesh_dim_names: Optional[tuple[str, ...]] = None,
+                     backend_override: Any = None) -> XlaDeviceMesh:
+    """torch's ``init_device_mesh`` signature for XLA; also the global mesh (like ``make_mesh``).
+
+    ``backend_override`` is accepted for compatibility (there are no process groups under SPMD).
+    Example::
+
+        world = init_device_mesh("xla", (2, 4), mesh_dim_names=("dp", "tp"))
+        tp_mesh = world["tp"]         # parallelize_module(model, tp_mesh, plan)
+    """
+    if device_type != "xla":
+        raise MeshError(f"init_device_mesh: device_type {device_type!r}; xla_tp builds 'xla' meshes "
+                        f"(use torch.distributed.device_mesh.init_device_mesh for other devices)")
+    shape = tuple(mesh_shape)
+    if not shape or any(not isinstance(s, int) or s < 1 for s in shape):
+        raise MeshError(f"init_device_mesh: mesh_shape {mesh_shape!r} must be positive ints")
+    n = device_count()
+    if math.prod(shape) != n:
+        raise MeshError(f"init_device_mesh: mesh_shape {shape} holds {math.prod(shape)} devices but there "
+                        f"are {n}")
+    if mesh_dim_names is not None and len(mesh_dim_names) != len(shape):
+        raise MeshError(f"init_device_mesh: {len(mesh_dim_names)} mesh_dim_names {tuple(mesh_dim_names)} "
+                        f"for a {len(shape)}-D mesh_shape {shape}")
+    world = XlaDeviceMesh(torch.arange(n).reshape(shape), tuple(mesh_dim_names) if mesh_dim_names else None)
+    xs.set_global_mesh(to_xs_mesh(world))
+    return world
+
+
+MeshLike = Union[xs.Mesh, DeviceMesh, None]
 
 
 def to_xs_mesh(mesh: MeshLike) -> xs.Mesh:
@@ -108,7 +185,8 @@ def to_xs_mesh(mesh: MeshLike) -> xs.Mesh:
     if isinstance(mesh, xs.Mesh):
         names = mesh.axis_names or _default_names(len(mesh.mesh_shape))
         shape, ids = tuple(mesh.mesh_shape), np.asarray(mesh.device_ids)
-    elif _is_device_mesh(mesh):
+    elif isinstance(mesh, DeviceMesh):
+        mesh = mesh.whole if isinstance(mesh, XlaDeviceMesh) else mesh
         if mesh.device_type != "xla":
             raise MeshError(f"DeviceMesh has device_type {mesh.device_type!r}; build it as "
                             f"DeviceMesh('xla', ...)")
@@ -131,8 +209,3 @@ def _default_names(ndim: int) -> tuple[str, ...]:
         return ("model",)
     raise MeshError(f"a {ndim}-D mesh needs axis names: pass mesh_dim_names (DeviceMesh) or axis_names "
                     f"(xs.Mesh) from {AXIS_ORDER}, e.g. ('data', 'model')")
-
-
-def _is_device_mesh(obj: object) -> bool:
-    from torch.distributed.device_mesh import DeviceMesh
-    return isinstance(obj, DeviceMesh)

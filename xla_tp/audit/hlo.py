@@ -30,7 +30,6 @@ _LISTED_GROUPS_RE = re.compile(
 _ONE_GROUP_RE = re.compile(r"\{([\d,\s]*)\}")
 _LHS_CONTRACTING_RE = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
 _KERNEL_LABELS_RE = re.compile(r"dim_labels=[^_\s]+_([^-\s]+)->")
-_ENTRY_RE = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
 
 
 @dataclass(frozen=True)
@@ -236,32 +235,3 @@ def mesh_axes_of_groups(
         coords = np.array([coordinates[d] for d in group])
         varying |= (coords != coords[0]).any(axis=0)
     return tuple(name for name, varies in zip(axis_names, varying) if varies)
-
-
-def capture_partitioned_hlo(tensors: list) -> str:
-    """Per-device HLO after SPMD partitioning of the pending computation of ``tensors``.
-
-    Needs SPMD on (``torch_xla.runtime.use_spmd()``) and ``XLA_DUMP_POST_OPTIMIZATIONS=1`` in the
-    environment before the process's first HLO query. Compiles, does not execute.
-
-    Example: ``parse_collectives(capture_partitioned_hlo([model(x)]))``.
-    """
-    import torch_xla  # lazy: keep this module importable without torch
-
-    text = torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
-    if not text.strip():
-        raise RuntimeError(
-            "no pending computation: the tensors are already materialised; capture the HLO "
-            "before .cpu() or torch_xla.sync()"
-        )
-    entry_name = entry.group(1) if (entry := _ENTRY_RE.search(text)) else "<none>"
-    if "_spmd" in entry_name:
-        return text
-    if "is_scheduled=true" in text.partition("\n")[0]:
-        cause = "the HLO is optimised but not partitioned: call torch_xla.runtime.use_spmd() first"
-    else:
-        cause = (
-            "the HLO is pre-optimisation: set XLA_DUMP_POST_OPTIMIZATIONS=1 before the first HLO "
-            "query of the process (it is read once; set later it is silently ignored)"
-        )
-    raise RuntimeError(f"not post-SPMD-partitioning HLO (ENTRY {entry_name}, no _spmd): {cause}")

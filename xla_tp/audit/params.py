@@ -66,30 +66,3 @@ def param_bytes(module: nn.Module) -> tuple[int, int]:
         local += local_numel(tuple(p.shape), sharding_string(p)) * p.element_size()
         total += p.numel() * p.element_size()
     return local, total
-
-
-def param_specs(module: nn.Module) -> dict[str, str]:
-    """Parameter FQN -> sharding string, for the parameters that carry one."""
-    out = {}
-    for name, p in module.named_parameters():
-        spec = sharding_string(p)
-        if tiles_of(spec) is not None:
-            out[name] = spec
-    return out
-
-
-def apply_sharding_string(t: torch.Tensor, spec: str) -> None:
-    """Annotate ``t`` with the sharding ``spec`` (a string from :func:`sharding_string`).
-
-    Rebuilds a throw-away mesh whose axes are the tile dimensions, so any tiled sharding,
-    whatever mesh made it, round-trips. Example: ``apply_sharding_string(w, "{devices=[4,1]0,1,2,3}")``.
-    """
-    tiles = tiles_of(spec)
-    if tiles is None:
-        return
-    import numpy as np
-    import torch_xla.distributed.spmd as xs
-    dims, devices, _ = tiles
-    names = tuple(f"t{i}" for i in range(len(dims)))
-    mesh = xs.Mesh(np.asarray(devices), dims, names)
-    xs.mark_sharding(t, mesh, names[: t.dim()])

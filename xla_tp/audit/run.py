@@ -3,12 +3,14 @@
 Nothing is executed and nothing in the process changes: the module runs through
 ``torch.func.functional_call`` with cloned buffers (in-place buffer updates land on the clones),
 gradients come from ``torch.autograd.grad`` (no ``.grad`` is written), the XLA RNG seed is put
-back, temporary hooks are removed, and the captured tensors are dropped uncomputed.
+back, every parameter's and input's sharding annotation is left as it was, temporary hooks are
+removed, and the captured tensors are dropped uncomputed. The trace runs in this process, so a
+forward that fails raises the model's own error.
 
-Reading post-partition HLO needs ``XLA_DUMP_POST_OPTIMIZATIONS=1`` from the process's first HLO
-query on (FACTS.md). When it is not set, ``audit`` does not set it (that would change what every
-later HLO dump of the user's process returns): it replays the module in a fresh CPU process with
-the same device count (``xla_tp.audit.child``). Example::
+The layout that defines the communication minimum is every layout applied to the module, merged
+(``layout_of``: a model parallelized in several calls is audited against all of them). The
+partitioned program comes from ``capture_partitioned_hlo``: torch_xla's own compiler when
+``XLA_DUMP_POST_OPTIMIZATIONS=1`` was set at start-up, jaxlib's XLA otherwise. Example::
 
     report = audit(model, tokens, mesh=mesh, backward=True)
     assert report.count("all-gather") == 0
@@ -16,20 +18,23 @@ the same device count (``xla_tp.audit.child``). Example::
 from __future__ import annotations
 
 import math
-import os
 from collections import Counter
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
 import torch
+import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
+from ..constraints import constraint_hooks
 from ..mesh import MeshLike, to_xs_mesh
+from ..plan.applied import layout_of
 from ..plan.layout import Layout
-from .hlo import capture_partitioned_hlo, dot_flops, mesh_axes_of_groups, parse_collectives
+from .capture import capture_partitioned_hlo, post_optimization_hlo_enabled
+from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
 from .minimum import ActivationRecorder, Expected, minimum_collectives
 from .params import local_numel, param_bytes, sharding_string
 from .report import AuditReport
@@ -37,38 +42,29 @@ from .report import AuditReport
 Target = Union[nn.Module, Callable[..., Any]]
 
 
-def post_optimization_hlo_enabled() -> bool:
-    """True when this process's HLO queries return partitioned HLO (the variable is set)."""
-    return os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true")
-
-
 def audit(module_or_fn: Target, *example_args: Any, mesh: MeshLike = None, backward: bool = False,
           plan_layout: Optional[Layout] = None) -> AuditReport:
     """Audit the compiled, partitioned program of ``module_or_fn(*example_args)``.
 
-    ``plan_layout`` (default: the layout ``parallelize_xla`` recorded on the module) defines the
-    communication minimum. Example::
+    ``plan_layout`` (default: every layout ``parallelize_xla`` applied to the module and its
+    submodules, merged) defines the communication minimum. Example::
 
         model = xla_tp.parallelize_xla(model, plan, mesh=mesh)
         print(xla_tp.audit(model, x, mesh=mesh))
     """
-    xmesh = to_xs_mesh(mesh)
-    if not post_optimization_hlo_enabled():
-        from .child import audit_in_subprocess
-        return audit_in_subprocess(module_or_fn, example_args, xmesh, backward, plan_layout)
-    return audit_here(module_or_fn, example_args, xmesh, backward, plan_layout)
+    return audit_here(module_or_fn, example_args, to_xs_mesh(mesh), backward, plan_layout)
 
 
 def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
                plan_layout: Optional[Layout], unsharded_flops: Optional[int] = None) -> AuditReport:
-    """The in-process audit; needs ``XLA_DUMP_POST_OPTIMIZATIONS=1`` since start-up.
+    """``audit`` on an ``xs.Mesh``.
 
     ``unsharded_flops``, when the caller knows it, saves compiling the unsharded program.
     """
-    sizes = {str(n): int(s) for n, s in zip(xmesh.axis_names, xmesh.mesh_shape)}
     module = target if isinstance(target, nn.Module) else None
-    layout = plan_layout or getattr(module, "_xla_tp_layout", None)
+    layout = plan_layout or (layout_of(module) if module is not None else None)
     seed = xm.get_rng_state()
+    kept = _Annotations([*(module.parameters() if module is not None else ()), *tree_leaves(args)])
     try:
         text, calls = _trace(target, args, backward, layout)
         unsharded = unsharded_flops
@@ -76,29 +72,59 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
             unsharded = unsharded_dot_flops(module, args, backward)
     finally:
         xm.set_rng_state(seed)
-    found = parse_collectives(text)
+        kept.restore()
     ids = np.asarray(xmesh.device_ids).reshape(tuple(xmesh.mesh_shape))
-    names = tuple(str(n) for n in xmesh.axis_names)
-    collectives: dict[str, dict] = {}
-    for c in found:
-        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "axes": []})
-        entry["count"] += 1
-        entry["bytes"] += c.bytes
-        axes = "+".join(mesh_axes_of_groups(c.replica_groups, ids, names)) or "-"
-        if axes not in entry["axes"]:
-            entry["axes"].append(axes)
-    report = AuditReport(mesh=sizes, backward=backward, collectives=collectives,
-                         comm_bytes=sum(c.bytes for c in found), flops_per_device=dot_flops(text),
-                         unsharded_flops=unsharded)
+    report, found = report_from_hlo(text, ids, tuple(str(n) for n in xmesh.axis_names), backward, unsharded)
     if module is not None:
         report.param_bytes_per_device, report.param_bytes_total = param_bytes(module)
     else:
         report.notes.append("a function, not a module: no parameter bytes or compute balance")
     if layout is not None and module is not None:
-        _set_minimum(report, calls, module, layout, found)
+        set_minimum(report, calls, module, layout, found)
     else:
         report.notes.append("no plan layout: the communication minimum is unknown")
+    if not post_optimization_hlo_enabled():
+        report.notes.append("partitioned by jaxlib's XLA for CPU (XLA_DUMP_POST_OPTIMIZATIONS was not set at "
+                            "start-up; set it to read the device compiler's own program)")
     return report
+
+
+def report_from_hlo(text: str, device_ids: np.ndarray, axis_names: tuple[str, ...], backward: bool,
+                    unsharded_flops: Optional[int]) -> tuple[AuditReport, list[Collective]]:
+    """The report's collectives and FLOPs read from partitioned HLO ``text`` (any compiler's), and
+    the collectives found. ``device_ids`` is the mesh's device-id array, one dimension per axis."""
+    found = parse_collectives(text)
+    collectives: dict[str, dict] = {}
+    for c in found:
+        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "axes": []})
+        entry["count"] += 1
+        entry["bytes"] += c.bytes
+        axes = "+".join(mesh_axes_of_groups(c.replica_groups, device_ids, axis_names)) or "-"
+        if axes not in entry["axes"]:
+            entry["axes"].append(axes)
+    sizes = {name: int(size) for name, size in zip(axis_names, device_ids.shape)}
+    report = AuditReport(mesh=sizes, backward=backward, collectives=collectives,
+                         comm_bytes=sum(c.bytes for c in found), flops_per_device=dot_flops(text),
+                         unsharded_flops=unsharded_flops)
+    return report, found
+
+
+class _Annotations:
+    """Tensors without a sharding annotation, given none back after tracing.
+
+    Lowering a traced program annotates the IR node of every unannotated input ``{replicated}``,
+    and torch_xla adopts a node's annotation into its tensor on a later read (the read after
+    that returns it): the audit must not change what the user's tensors carry, so the tensors
+    that had none are cleared unconditionally (a no-op for a tensor that still has none).
+    """
+
+    def __init__(self, tensors: list[Any]):
+        self.bare = [t for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "xla"
+                     and not sharding_string(t)]
+
+    def restore(self) -> None:
+        for t in self.bare:
+            torch_xla._XLAC._xla_clear_sharding(t)
 
 
 def _trace(target: Target, args: tuple, backward: bool, layout: Optional[Layout]):
@@ -146,10 +172,10 @@ def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
 
 
 class _suspended_hooks:
-    """Context manager: take xla_tp's activation hooks off ``module`` and put them back."""
+    """Context manager: take xla_tp's activation hooks off ``module`` (and its submodules) and put them back."""
 
     def __init__(self, module: nn.Module):
-        self.handles = getattr(module, "_xla_tp_hooks", [])
+        self.handles = constraint_hooks(module)
         self.saved: list[tuple[dict, int, Any]] = []
 
     def __enter__(self) -> None:
@@ -167,11 +193,20 @@ class _suspended_hooks:
                 hooks[key] = hooks.pop(key)
 
 
-def _set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout,
-                 found: list) -> None:
+def _sharded_numel(name: str, p: torch.Tensor) -> int:
+    return local_numel(tuple(p.shape), sharding_string(p))
+
+
+def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout, found: list,
+                grad_numel: Callable[[str, torch.Tensor], int] = _sharded_numel) -> None:
+    """Fill ``report.expected`` and ``comm_minimum_bytes`` from the recorded ``calls``.
+
+    ``grad_numel(name, param)``: elements of the largest shard of that parameter's gradient (by
+    default read from the XLA tensor's sharding).
+    """
     expected = minimum_collectives(calls, module, layout, report.mesh, report.backward)
     if report.backward:
-        expected += _data_grad_allreduces(module, layout, report.mesh)
+        expected += _data_grad_allreduces(module, layout, report.mesh, grad_numel)
     if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
         tp = report.mesh.get(layout.tp_axis, 1)
         expected = [Expected("all-reduce", e.elements * tp, e.dtype, e.where)
@@ -189,11 +224,12 @@ def _set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: La
     report.comm_minimum_bytes = sum(v["bytes"] for v in summary.values())
 
 
-def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int]) -> list[Expected]:
+def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int],
+                          grad_numel: Callable[[str, torch.Tensor], int]) -> list[Expected]:
     """With a data axis, one all-reduce per parameter gradient (its local size)."""
     if math.prod(sizes.get(a, 1) for a in layout.batch_axes) == 1:
         return []
-    return [Expected("all-reduce", local_numel(tuple(p.shape), sharding_string(p)), p.dtype, name + " grad")
+    return [Expected("all-reduce", grad_numel(name, p), p.dtype, name + " grad")
             for name, p in module.named_parameters() if p.requires_grad]
 
 

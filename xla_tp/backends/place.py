@@ -13,7 +13,7 @@ Example::
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Collection, Mapping
 
 import torch
 import torch_xla
@@ -26,8 +26,12 @@ from . import ShardFn
 from .init import initializer
 
 
-def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn) -> None:
-    """Move/materialise ``module`` onto the XLA device and shard the parameters in ``specs``."""
+def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn,
+                 stale: Collection[str] = ()) -> None:
+    """Move/materialise ``module`` onto the XLA device and shard the parameters in ``specs``.
+
+    Parameters in ``stale`` (sharded by an earlier call on ``module`` that this plan overrides)
+    go back to replicated."""
     device = torch_xla.device()
     memo: dict[int, torch.Tensor] = {}
     to_init: dict[str, None] = {}
@@ -39,7 +43,7 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
             if id(p) not in memo:
                 had_meta |= p.is_meta
                 fqn = f"{mfqn}.{name}" if mfqn else name
-                memo[id(p)] = _place_param(p, fqn, specs.get(fqn), mesh, shard, device)
+                memo[id(p)] = _place_param(p, fqn, specs.get(fqn), mesh, shard, device, fqn in stale)
             mod._parameters[name] = memo[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
@@ -66,14 +70,14 @@ def _initialise(root: nn.Module, fqn: str) -> None:
     torch_xla.sync()
 
 
-def _place_param(p: nn.Parameter, fqn: str, spec, mesh, shard: ShardFn, device) -> nn.Parameter:
+def _place_param(p: nn.Parameter, fqn: str, spec, mesh, shard: ShardFn, device, stale: bool) -> nn.Parameter:
     t = p if p.device.type == "xla" else _to_device(p.detach(), device)
     if spec is not None:
         if _is_sharded(t):
             t = xs.clear_sharding(t)
         t = shard(t, mesh, spec)
-    elif forget_sharding(t) and _is_sharded(t):
-        t = xs.clear_sharding(t)  # sharded by an earlier parallelize_xla that this plan overrides
+    elif stale and forget_sharding(t) and _is_sharded(t):
+        t = xs.clear_sharding(t)
     new = p if t is p else nn.Parameter(t, requires_grad=p.requires_grad)
     if new is not p:
         new.__dict__.update({k: v for k, v in p.__dict__.items() if k != SHARDING_ATTR})

@@ -1,0 +1,95 @@
+"""The per-device program XLA compiles for pending XLA tensors, read without executing it.
+
+Two routes give the same program (the SPMD partitioner is GSPMD in both):
+
+- ``XLA_DUMP_POST_OPTIMIZATIONS=1`` set before the process's first HLO query (FACTS.md): torch_xla
+  compiles the program itself, with the device's own compiler, and returns the partitioned HLO.
+- Otherwise torch_xla hands out the program it would compile: pre-optimisation HLO carrying
+  every parameter's and constraint's sharding, with weights as parameters (no values). jaxlib's
+  XLA compiles that text for as many partitions as torch_xla has devices, on its own CPU client.
+  Nothing of the process changes and no tensor is read or copied: only the program travels, so
+  it works at any model size and from any script. It needs ``jaxlib`` (``pip install
+  'xla_tp[jax]'``); on TPU it shows what the CPU compiler makes of the program (the same
+  partitioning; reduce-scatters may appear as all-reduce + dynamic-slice).
+
+Example::
+
+    text = capture_partitioned_hlo([model(x)])
+    parse_collectives(text)
+"""
+from __future__ import annotations
+
+import functools
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+_ENTRY_RE = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
+JAXLIB_HINT = ("install jaxlib (pip install 'xla_tp[jax]', which pins jax==0.7.1 jaxlib==0.7.1), or set "
+               "XLA_DUMP_POST_OPTIMIZATIONS=1 in the environment before the process starts")
+
+
+def post_optimization_hlo_enabled() -> bool:
+    """True when torch_xla's HLO queries return partitioned HLO (the variable is set)."""
+    return os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true")
+
+
+def capture_partitioned_hlo(tensors: list) -> str:
+    """Per-device HLO after SPMD partitioning of the pending computation of ``tensors``.
+
+    Needs SPMD on (``torch_xla.runtime.use_spmd()``, done by ``make_mesh``). Compiles, does not
+    execute. Example: ``parse_collectives(capture_partitioned_hlo([model(x)]))``.
+    """
+    import torch_xla  # lazy: keep the audit's parsing modules importable without torch_xla
+    import torch_xla.runtime as xr
+
+    if not xr.is_spmd():
+        raise RuntimeError("not SPMD: call torch_xla.runtime.use_spmd() (or xla_tp.make_mesh) before "
+                           "creating XLA tensors, then capture the partitioned program")
+    text = torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+    if not text.strip():
+        raise RuntimeError("no pending computation: the tensors are already materialised; capture the HLO "
+                           "before .cpu() or torch_xla.sync()")
+    entry = _ENTRY_RE.search(text)
+    if entry and "_spmd" in entry.group(1):
+        return text
+    if post_optimization_hlo_enabled():
+        raise RuntimeError(f"torch_xla returned HLO that is not partitioned (ENTRY {entry.group(1) if entry else '?'}) "
+                           f"although XLA_DUMP_POST_OPTIMIZATIONS is set: it must be set before the "
+                           f"process's first HLO query (it is read once)")
+    return partition_with_jaxlib(text, xr.global_runtime_device_count())
+
+
+def partition_with_jaxlib(hlo_text: str, partitions: int) -> str:
+    """Compile pre-optimisation, sharding-annotated ``hlo_text`` for ``partitions`` devices with
+    jaxlib's XLA (GSPMD, outputs' shardings propagated as torch_xla does); the partitioned HLO."""
+    try:
+        from jaxlib import _jax, xla_client
+    except ImportError as error:
+        raise RuntimeError(f"xla_tp.audit reads the partitioned program: {JAXLIB_HINT}") from error
+    client = _cpu_client(partitions)
+    options = xla_client.CompileOptions()
+    build = options.executable_build_options
+    build.num_partitions, build.num_replicas = partitions, 1
+    build.use_spmd_partitioning, build.use_shardy_partitioner = True, False
+    build.allow_spmd_sharding_propagation_to_output = [True]
+    devices = client.devices()[:partitions]
+    build.device_assignment = _jax.DeviceAssignment.create(np.array([[d.id for d in devices]]))
+    try:
+        module = _jax.hlo_module_from_text(hlo_text)
+        mlir = _jax.mlir.hlo_to_stablehlo(module.as_serialized_hlo_module_proto())
+        executable = client.compile_and_load(mlir, _jax.DeviceList(tuple(devices)), options)
+    except Exception as error:  # jaxlib raises its own XlaRuntimeError / ValueError types
+        raise RuntimeError(f"jaxlib's XLA could not compile the program torch_xla produced ({error}); set "
+                           f"XLA_DUMP_POST_OPTIMIZATIONS=1 before the process starts so torch_xla compiles "
+                           f"it itself") from error
+    return executable.hlo_modules()[0].to_string()
+
+
+@functools.lru_cache(maxsize=None)
+def _cpu_client(devices: int) -> Any:
+    """jaxlib's CPU client with ``devices`` devices, separate from any jax backend in the process."""
+    from jaxlib import xla_client
+    return xla_client.make_cpu_client(num_devices=devices)
