@@ -25,8 +25,9 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-ATTR = "_xla_tp_packing"  # on a re-laid parameter: its Packing
-_HOOKED = "_xla_tp_packed_hooks"  # on the owning module: hooks registered
+ATTR = "_xla_tp_packing"  # on a re-laid parameter: its Packing (what the lowering mode reads)
+_OWNED = "_xla_tp_packings"  # on the owning module: parameter name -> Packing (what its state-dict hooks
+# read, so a tensor swapped in for the parameter, an optimizer state, is re-laid the same way)
 
 
 @dataclass(frozen=True)
@@ -70,31 +71,30 @@ def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
 def relayout(owner: nn.Module, name: str, packing: Packing) -> None:
     """Permute ``owner.<name>`` device-major in place (same Parameter object); idempotent."""
     p = owner._parameters[name]
-    old: Optional[Packing] = getattr(p, ATTR, None)
+    owned: dict[str, Packing] = owner.__dict__.get(_OWNED, {})
+    old = owned.get(name)
     if old == packing:
         return
     with torch.no_grad():
         data = p.data if old is None else restore(p.data, old)
         p.data = data if p.is_meta else permute(data, packing)
     setattr(p, ATTR, packing)
-    if not getattr(owner, _HOOKED, False):
+    if not owned:
         owner.register_state_dict_post_hook(_save_original)
         owner.register_load_state_dict_pre_hook(_load_relaid)
-        setattr(owner, _HOOKED, True)
+    owner.__dict__[_OWNED] = {**owned, name: packing}
 
 
 def _save_original(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    for name, p in owner._parameters.items():
-        packing = getattr(p, ATTR, None) if p is not None else None
-        if packing is not None and prefix + name in state_dict:
+    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+        if prefix + name in state_dict:
             state_dict[prefix + name] = restore(state_dict[prefix + name], packing)
 
 
 def _load_relaid(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for name, p in owner._parameters.items():
-        packing = getattr(p, ATTR, None) if p is not None else None
-        key = prefix + name
-        if packing is not None and key in state_dict and state_dict[key].shape == p.shape:
+    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+        key, p = prefix + name, owner._parameters.get(name)
+        if key in state_dict and p is not None and state_dict[key].shape == p.shape:
             state_dict[key] = permute(state_dict[key], packing)
 
 
