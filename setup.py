@@ -19,11 +19,12 @@ setup(
         "hf": ["transformers==5.23.0"],
         # the JAX backend (parallelize_jax); these pins install beside torch 2.9.0 / torch_xla 2.9.0
         "jax": ["jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.13"],
+        "torchao": ["torchao==0.14.1"],  # low-precision optimizers; 0.14.1 is the release that imports with torch 2.9
         # TPU VMs and Colab TPU runtimes: torch_xla's TPU build and its libtpu (same pin as above)
         "tpu": ["torch_xla[tpu]==2.9.0", "transformers==5.23.0"],
         # matplotlib: the bench chart; nbclient/nbformat/ipykernel: the notebook test
         "test": ["pytest", "transformers==5.23.0", "matplotlib", "jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.13",
-                 "nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0"],
+                 "torchao==0.14.1", "nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0"],
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )

@@ -27,13 +27,13 @@ def run_meshes(families, widths, meshes) -> list[dict]:
     from xla_tp.zoo import registry
     from .auto_sharding import auto_sharding_row
     from .models import smallest
-    from .routes import NOT_RUN, ROUTES, mesh_name, run_route
+    from .routes import JAX_ROUTE, ROUTES, mesh_name, run_route
     rows, auto_family = [], smallest(families, widths[0])
     for axes in meshes:
         mesh, cache = xla_tp.make_mesh(**axes), {}
         for family in families:
             for width in widths:
-                new = [run_route(route, family, width, mesh, cache) for route in [*ROUTES, *NOT_RUN]]
+                new = [run_route(route, family, width, mesh, cache) for route in [*ROUTES, JAX_ROUTE]]
                 if (family, width) == (auto_family, widths[0]):
                     sizes = {"data": axes.get("data", 1), "model": axes["model"]}
                     new.append({"route": "e_xla_auto_sharding", "family": family, "width": registry.WIDTHS[width],
@@ -62,14 +62,18 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     rows = run_meshes(families, widths, meshes)
     if not args.quick:
+        import xla_tp
+        from .families import family_rows
+        rows += family_rows(xla_tp.make_mesh(data=2, model=4))
         child = out / "mesh_1x4.json"
         env = dict(os.environ, CPU_NUM_DEVICES="4")
         subprocess.run([sys.executable, "-m", "bench", "--child", str(child)], env=env, check=True)
         rows += json.loads(child.read_text())
     from .auto_sharding import summary
+    from .jax_route import NOTE as JAX_NOTE, ROUTE as JAX_ROUTE
     from .planning import planning_times
     from .render import CHART, render
-    extra = {"e_xla_auto_sharding": summary(rows),
+    extra = {"e_xla_auto_sharding": summary(rows), JAX_ROUTE: JAX_NOTE,
              "planning, Llama-3-70B shape on meta": json.dumps(planning_times())}
     (out / "routes.json").write_text(json.dumps({"rows": rows, **extra}, indent=1))
     render(rows, out, extra)

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from xla_tp.plan.hf import hf_plan
+from xla_tp.plan.styles import ShardParams
 from xla_tp.zoo import registry
 
 FAMILIES = ("titan_llama", "llama", "qwen3", "gpt2", "bert", "torch_encoder")
@@ -24,8 +25,10 @@ MEGATRON_PLANS = {
     "titan_llama": {**{f"layers.*.attention.{n}": "colwise" for n in ("wq", "wk", "wv")},
                     **{f"layers.*.feed_forward.{n}": "colwise" for n in ("w1", "w3")},
                     "layers.*.attention.wo": "rowwise", "layers.*.feed_forward.w2": "rowwise"},
-    "gpt2": {"transformer.h.*.attn.c_attn": "colwise", "transformer.h.*.attn.c_proj": "rowwise",
-             "transformer.h.*.mlp.c_fc": "colwise", "transformer.h.*.mlp.c_proj": "rowwise"},
+    # GPT-2's Conv1D stores [in, out]: per-parameter specs, as a user writes them for mark_sharding
+    "gpt2": {**{f"transformer.h.*.{n}": ShardParams({"weight": (None, "tp"), "bias": ("tp",)})
+                for n in ("attn.c_attn", "mlp.c_fc")},
+             **{f"transformer.h.*.{n}": ShardParams({"weight": ("tp", None)}) for n in ("attn.c_proj", "mlp.c_proj")}},
     "bert": {**{f"encoder.layer.*.attention.self.{n}": "colwise" for n in ("query", "key", "value")},
              "encoder.layer.*.attention.output.dense": "rowwise",
              "encoder.layer.*.intermediate.dense": "colwise", "encoder.layer.*.output.dense": "rowwise"},

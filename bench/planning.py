@@ -35,12 +35,21 @@ def planning_times() -> dict[str, Any]:
     validate(model, layout, {"model": 8})
     out: dict[str, Any] = {"params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 1),
                            "xla_tp_s": time.perf_counter() - start,
+                           "xla_tp_auto_s": _auto_planning_time(model),
                            "torch_how": "parallelize_module, gloo world_size=1, DeviceMesh('cpu', [0])"}
     try:
         out["torch_s"] = _torch_planning_time(_meta_model())
     except Exception as error:  # recorded, not hidden
         out["torch_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
     return out
+
+
+def _auto_planning_time(model: Llama) -> float:
+    """``plan_for`` (one forward traced on fake tensors, roles, layout) on the meta model, model axis 8."""
+    import xla_tp
+    start = time.perf_counter()
+    xla_tp.plan_for(model, mesh=xla_tp.make_mesh(model=8))
+    return time.perf_counter() - start
 
 
 def _torch_planning_time(model: Llama) -> float:

@@ -21,8 +21,9 @@ from xla_tp.plan.normalize import build_layout
 from xla_tp.planners import plan_for
 from xla_tp.zoo import registry
 
+from .jax_route import ROUTE as JAX_ROUTE, jax_row
 from .models import build
-from .plans import hand_apply, matches, to_torch_plan, weight_specs
+from .plans import hand_apply, plan_layout, to_torch_plan
 
 
 def _xla_tp(model, plan, mesh):
@@ -31,16 +32,17 @@ def _xla_tp(model, plan, mesh):
 
 
 def _hand(model, plan, mesh):
-    layout = _plan_layout(model, plan, mesh)
-    return hand_apply(model.to(torch_xla.device()), plan, mesh), layout, "mark_sharding per weight"
+    return hand_apply(model.to(torch_xla.device()), plan, mesh), plan_layout(model, plan, mesh), \
+        "mark_sharding per weight"
 
 
 def _distribute_module(model, plan, mesh):
-    layout, planned = _plan_layout(model, plan, mesh), matches(plan, model)
+    layout = plan_layout(model, plan, mesh)
 
     def partition_fn(name: str, module: torch.nn.Module, device_mesh: Any) -> None:
-        for pname, spec in weight_specs(module, planned.get(name, ""), "model").items():
-            xs.mark_sharding(getattr(module, pname), device_mesh, spec)
+        ml = layout.modules.get(name)
+        for pname, spec in (ml.params if ml else {}).items():
+            xs.mark_sharding(module.get_parameter(pname), device_mesh, spec)
 
     model = xs.xla_distribute_module(model.to(torch_xla.device()), mesh, partition_fn)
     return model, layout, "xla_distribute_module + partition_fn"
@@ -54,16 +56,12 @@ def _torch_parallelize_module(model, plan, mesh):
         dm = DeviceMesh("xla", ids.flatten())  # 1-D: what torch's TP examples use
     else:
         dm = DeviceMesh("xla", ids, mesh_dim_names=tuple(mesh.axis_names))["model"]
-    layout = _plan_layout(model, plan, mesh)
+    layout = plan_layout(model, plan, mesh)
     return parallelize_module(model, dm, to_torch_plan(plan, model)), layout, "torch parallelize_module"
 
 
 def _replicated(model, plan, mesh):
     return model.to(torch_xla.device()), build_layout(model, {}, _sizes(mesh), "model"), "no TP"
-
-
-def _plan_layout(model, plan, mesh):
-    return build_layout(model, to_torch_plan(plan, model), _sizes(mesh), "model", strict=False)
 
 
 def mesh_name(mesh) -> str:
@@ -83,9 +81,6 @@ ROUTES: dict[str, Callable] = {
     "d_torch_parallelize_module": _torch_parallelize_module,
     "g_replicated": _replicated,
 }
-NOT_RUN = {
-    "f_jax_torchax": "not available: the JAX issue has not landed",
-}
 
 
 def trace_time(model, batch) -> float:
@@ -104,8 +99,11 @@ def run_route(route: str, family: str, width: str, mesh, unsharded: dict) -> dic
     """
     row: dict[str, Any] = {"route": route, "family": family, "width": registry.WIDTHS[width],
                            "mesh": mesh_name(mesh)}
-    if route in NOT_RUN:
-        return {**row, "status": NOT_RUN[route]}
+    if route == JAX_ROUTE:
+        try:
+            return {**row, **jax_row(family, width, _sizes(mesh))}
+        except Exception as error:
+            return _failed(row, error)
     model, batch, plan = build(family, width)
     try:
         model, layout, row["how"] = ROUTES[route](model, plan, mesh)
@@ -119,8 +117,13 @@ def run_route(route: str, family: str, width: str, mesh, unsharded: dict) -> dic
         report = audit_here(model, (x,), mesh, False, layout, unsharded[key])
         row["compile_s"] = time.perf_counter() - start  # trace + compile of the forward
         row["trace_s"] = trace_time(model, x)
-    except Exception as error:  # a route failing is a result, recorded as such
-        return {**row, "status": f"fails: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    except Exception as error:
+        return _failed(row, error)
     data = report.to_dict()
     return {**row, "status": "ok", "all_gathers": report.count("all-gather"),
             **{k: data[k] for k in ("comm_ratio", "compute_balance", "param_memory_ratio", "collectives")}}
+
+
+def _failed(row: dict[str, Any], error: Exception) -> dict[str, Any]:
+    """A route failing is a result, recorded as such."""
+    return {**row, "status": f"fails: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}

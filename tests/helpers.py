@@ -69,3 +69,17 @@ class Tied(torch.nn.Module):
 
     def forward(self, ids):
         return self.head(self.emb(ids))
+
+
+def snapshot(model: torch.nn.Module):
+    """Everything parallelize_xla could change: tensors (identity, device, values), hooks, forward."""
+    return ([(n, id(t), t.device, t.detach().clone()) for n, t in model.state_dict(keep_vars=True).items()],
+            [(n, len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()],
+            "forward" in vars(model))
+
+
+def assert_unchanged(model: torch.nn.Module, snap) -> None:
+    now = snapshot(model)
+    assert [(n, i, d) for n, i, d, _ in now[0]] == [(n, i, d) for n, i, d, _ in snap[0]]
+    assert all(torch.equal(a[3], b[3]) for a, b in zip(now[0], snap[0]))
+    assert now[1:] == snap[1:]

@@ -20,6 +20,10 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path):
     assert by_route["a_xla_tp"]["comm_ratio"] == 1.0
     assert by_route["g_replicated"]["compute_balance"] == 8.0
     assert "fails" in by_route["d_torch_parallelize_module"]["status"]
+    jax_route = by_route["f_jax_torchax"]  # the same plan compiled by JAX agrees with route (a)
+    assert jax_route["status"] == "ok", jax_route
+    assert (jax_route["comm_ratio"], jax_route["all_gathers"]) == (1.0, 0)
+    assert jax_route["compute_balance"] == by_route["a_xla_tp"]["compute_balance"]
     table = (tmp_path / "latest.md").read_text()
     assert "| titan_llama-64 | 1x8 | a_xla_tp |" in table
     auto = by_route["e_xla_auto_sharding"]  # ran, or recorded the exact error / timeout

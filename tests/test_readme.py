@@ -15,7 +15,7 @@ def blocks(language: str) -> list[str]:
 def test_every_python_block_runs_in_order():
     """As a reader pastes them, one after the other, in a process with only the documented environment."""
     out = run_fresh("\n".join(blocks("python")), timeout=900)
-    assert "family: hf_decoder" in out and "communication bytes/device" in out
+    assert "column-parallel" in out and "communication bytes/device" in out
 
 
 def _slug(heading: str) -> str:

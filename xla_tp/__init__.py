@@ -15,7 +15,9 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from .api import parallelize_module, parallelize_xla
 from .audit import AuditReport
 from .audit.run import audit  # the function shadows the subpackage name on purpose: xla_tp.audit(...)
-from .errors import MeshError, PlanError
+from .backends.jax import parallelize_jax
+from .checkpoint import export_hf, load_checkpoint, save_checkpoint
+from .errors import CheckpointError, MeshError, OptimizerError, PlanError
 from .loss import loss_parallel
 from .mesh import init_device_mesh, make_mesh
 from .plan.hf import hf_plan
@@ -27,6 +29,8 @@ from .planners import Plan, plan_for
 __all__ = [
     "AuditReport", "ColwiseParallel", "MeshError", "Plan", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
     "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "ShardParams",
-    "audit", "hf_plan", "init_device_mesh", "load_rules", "loss_parallel", "make_mesh", "parallelize_module", "parallelize_xla",
+    "audit", "hf_plan", "init_device_mesh", "load_rules", "loss_parallel", "make_mesh", "parallelize_jax",
+    "parallelize_module", "parallelize_xla",
     "plan_for", "regex_plan", "unplanned_parameters",
 ]
+__all__ += ["CheckpointError", "OptimizerError", "export_hf", "load_checkpoint", "save_checkpoint"]  # training at scale

@@ -9,20 +9,24 @@ as it was. Example::
 """
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .backends import get_backend
+from . import lowering
 from .backends.place import place_module
+from .checkpoint.export import host_save_pretrained
 from .constraints import install_constraints
 from .errors import PlanError
 from .inference import make_inference_safe
 from .mesh import MeshLike, XlaDeviceMesh, canonical_axis, to_xs_mesh
 from .plan.applied import applied_layout, record_layout, stale_params
 from .plan.hf import hf_plan
+from .plan.layout import Layout, Spec
 from .plan.normalize import BATCH_AXES, build_layout
+from .recompute import enable_activation_checkpointing
 from .validate import validate
 
 PlanLike = Union[str, dict, ParallelStyle]
@@ -47,30 +51,51 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     xmesh = to_xs_mesh(mesh)
     axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     tp_axis = canonical_axis(tp_axis)
+    plan = resolve_plan(module, plan, xmesh, tp_axis)
+    layout = layout_for(module, plan, axes, tp_axis, strict, check_spec)
+    place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
+    install_constraints(module, layout, xmesh, replacing=applied_layout(module))
+    lowering.install(module)
+    make_inference_safe(module)
+    host_save_pretrained(module)
+    enable_activation_checkpointing()
+    record_layout(module, layout)
+    return module
+
+
+def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str) -> Union[dict, ParallelStyle]:
+    """The plan dict for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for``.
+
+    ``mesh`` is anything ``plan_for`` takes (an ``xs.Mesh``, axis sizes). Example:
+    ``resolve_plan(model, "auto", {"data": 2, "model": 4}, "model")["lm_head"].role == "vocab-parallel output head"``.
+    """
     if plan == "hf":
-        plan = hf_plan(module)
-    elif isinstance(plan, str):
+        return hf_plan(module)
+    if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
         from .planners import plan_for
-        plan = plan_for(module, mesh=xmesh, tp_axis=tp_axis)
+        return plan_for(module, mesh=mesh, tp_axis=tp_axis)
+    return plan
+
+
+def layout_for(module: nn.Module, plan: Union[dict, ParallelStyle], axes: dict[str, int], tp_axis: str,
+               strict: bool, check_spec: Callable[[Spec], Optional[str]]) -> Layout:
+    """Normalise and validate ``plan``, then let the plan prepare the model; the validated ``Layout``.
+
+    Any backend calls this before it places a parameter. A planner's Plan may re-lay packed weights
+    device-major (same shapes) and name the modules the lowering mode must cover; both run only once
+    the plan has validated on the model as it was, so after a ``PlanError`` the model is untouched.
+    Example: ``layout_for(model, plan, {"model": 4}, "model", True, lambda spec: None)``.
+    """
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes, check_spec)
-    # A planner's Plan may re-lay packed weights head-aligned (state_dict shapes unchanged) and swap
-    # in XLA-friendly forwards. Both run only once the plan has validated on the model as it was;
-    # the layout is then rebuilt for the re-laid parameters (the planner re-lays only what divides).
-    relayout = getattr(plan, "relayout", None)
-    if relayout is not None:
-        relayout(module)
-        layout = build_layout(module, plan, axes, tp_axis, strict)
-        validate(module, layout, axes, check_spec)
+    # Nothing has been touched so far. A planner's Plan may re-lay packed weights device-major (same
+    # shapes, so the layout above holds) and name modules the lowering mode must cover.
+    getattr(plan, "relayout", lambda m: None)(module)
     getattr(plan, "prepare", lambda m: None)(module)
-    place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
-    install_constraints(module, layout, xmesh, replacing=applied_layout(module))
-    make_inference_safe(module)
-    record_layout(module, layout)
-    return module
+    return layout
 
 
 def parallelize_module(module: nn.Module, device_mesh: Any = None,

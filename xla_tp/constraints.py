@@ -55,13 +55,20 @@ class _Constrainer:
         sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
         self.batch_size = math.prod(sizes[a] for a in self.batch_axes)
 
+    def applies(self, x: Any) -> bool:
+        """Whether ``x`` is a tensor this backend constrains (here: an XLA tensor)."""
+        return isinstance(x, torch.Tensor) and x.device.type == "xla"
+
+    def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
+        """``x`` laid out as ``spec``, its gradient too."""
+        return ShardingConstraint.apply(x, self.mesh, spec)
+
     def __call__(self, x: Any, placements: Chain, ml: ModuleLayout, role: str, index: Any) -> Any:
-        if not placements or not isinstance(x, torch.Tensor) or x.device.type != "xla" or x.dim() == 0:
+        if not placements or not self.applies(x) or x.dim() == 0:
             return x
         for p in placements:
             _check_rank(p, x, ml, role, index)
-            spec = activation_spec(p, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size)
-            x = ShardingConstraint.apply(x, self.mesh, spec)
+            x = self.constrain(x, activation_spec(p, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size))
         return x
 
     def pre_hook(self, ml: ModuleLayout):
@@ -119,13 +126,25 @@ def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh, replacin
     constrain = _Constrainer(mesh, layout)
     for fqn, ml in layout.modules.items():
         mod = root.get_submodule(fqn) if fqn else root
-        handles = []
-        if any(ml.inputs) or any(ml.kwarg_inputs.values()):
-            handles.append(mod.register_forward_pre_hook(constrain.pre_hook(ml), with_kwargs=True))
-        if any(ml.outputs):
-            handles.append(mod.register_forward_hook(constrain.post_hook(ml)))
+        handles = module_hooks(mod, ml, constrain)
         if handles:
             setattr(mod, _HANDLES, (layout, handles))
+
+
+def module_hooks(mod: nn.Module, ml: ModuleLayout, constrain: _Constrainer) -> list[Any]:
+    """Forward (pre-)hooks on ``mod`` applying ``constrain`` to ``ml``'s chains; their handles."""
+    handles = []
+    if any(ml.inputs) or any(ml.kwarg_inputs.values()):
+        handles.append(mod.register_forward_pre_hook(constrain.pre_hook(ml), with_kwargs=True))
+    if any(ml.outputs):
+        handles.append(mod.register_forward_hook(constrain.post_hook(ml)))
+    return handles
+
+
+def register_hooks(root: nn.Module, layout: Layout, constrain: _Constrainer) -> list[Any]:
+    """``module_hooks`` on every module ``layout`` plans, untagged (the caller removes them)."""
+    return [h for fqn, ml in layout.modules.items()
+            for h in module_hooks(root.get_submodule(fqn) if fqn else root, ml, constrain)]
 
 
 def constraint_hooks(root: nn.Module) -> list[Any]:

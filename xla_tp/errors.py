@@ -1,4 +1,4 @@
-"""The two errors xla_tp raises for bad input: both are ``ValueError`` subclasses."""
+"""The errors xla_tp raises for bad input: all are ``ValueError`` subclasses."""
 
 
 class PlanError(ValueError):
@@ -15,3 +15,13 @@ class PlanError(ValueError):
 
 class MeshError(ValueError):
     """A mesh that cannot be built or used (wrong device count, unknown axis)."""
+
+
+class OptimizerError(ValueError):
+    """An optimizer that cannot keep its state on a parallelized model; raised before its first step
+    changes anything, naming the reason and an optimizer that works."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not fit the model (names, shapes) or cannot be read or written.
+    Raised before the model or optimizer is touched."""

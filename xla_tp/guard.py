@@ -1,13 +1,18 @@
-"""Keep every sharded parameter sharded across optimizer steps, for every optimizer.
+"""Keep every sharded parameter, and every optimizer state shaped like it, sharded across steps.
 
 An update that goes through ``view(dtype)`` bitcasts (fp32 -> bf16 stochastic rounding, as
 torchao's low-precision optimizers do) and then ``param.copy_(...)`` leaves the parameter
-replicated: a silent per-device memory blow-up. ``parallelize_xla`` records each parameter's
-sharding; a global ``Optimizer`` step post-hook compares and re-applies it, so user code does
-not change. Example::
+replicated: a silent per-device memory blow-up. Optimizer states (``exp_avg``, ``exp_avg_sq``,
+momentum buffers) are created by the optimizer and get whatever layout the compiler picks, often
+replicated. ``parallelize_xla`` records each parameter's sharding; a global ``Optimizer`` step
+post-hook re-applies it to the parameter and to each state tensor of the same shape (still lazy
+at that point, so the compiled step produces them sharded), for any optimizer, without a change
+to user code. A pre-hook adapts or refuses optimizers that cannot run on XLA as they are
+(``xla_tp.optim``).
+Example::
 
-    opt = MyBitcastAdamW(model.parameters())
-    opt.step()          # shardings checked and restored here
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()          # parameter and state shardings checked and restored here
 """
 from __future__ import annotations
 
@@ -15,15 +20,16 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
+from . import optim
 from .plan.layout import Spec
 
 log = logging.getLogger(__name__)
 SHARDING_ATTR = "_xla_tp_sharding"
-_hook_handle = None
+_hook_handles: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -50,25 +56,45 @@ def forget_sharding(p: torch.Tensor) -> bool:
     return p.__dict__.pop(SHARDING_ATTR, None) is not None
 
 
-def restore_sharding(p: torch.Tensor) -> bool:
-    """Re-apply ``p``'s recorded sharding if an update dropped it; True if it had to."""
-    rec: ParamSharding | None = getattr(p, SHARDING_ATTR, None)
-    if rec is None or sharding_of(p) == rec.expected:
+def restore_sharding(t: torch.Tensor, like: torch.Tensor | None = None) -> bool:
+    """Re-apply the sharding recorded on ``like`` (default: ``t`` itself) to ``t`` if it differs;
+    True if it had to. ``restore_sharding(exp_avg, like=param)`` shards a state like its parameter."""
+    owner = t if like is None else like
+    rec: ParamSharding | None = getattr(owner, SHARDING_ATTR, None)
+    if rec is None or t.device.type != "xla" or t.shape != owner.shape or sharding_of(t) == rec.expected:
         return False
-    xs.clear_sharding(p)
-    xs.mark_sharding(p, rec.mesh, rec.spec)
+    xs.clear_sharding(t)
+    xs.mark_sharding(t, rec.mesh, rec.spec)
     return True
 
 
+def _state_tensors(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list[torch.Tensor]:
+    """Plain tensors in ``p``'s optimizer state (tensor subclasses are refused by ``xla_tp.optim``)."""
+    return [v for v in optimizer.state.get(p, {}).values() if type(v) is torch.Tensor]
+
+
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    restored = [getattr(p, SHARDING_ATTR).fqn for g in optimizer.param_groups for p in g["params"]
-                if restore_sharding(p)]
-    if restored:
+    optim.after_step(optimizer)
+    params, states = [], 0
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if restore_sharding(p):
+                params.append(getattr(p, SHARDING_ATTR).fqn)
+            states += sum(restore_sharding(s, like=p) for s in _state_tensors(optimizer, p))
+    if params:
         log.info("xla_tp: %s.step() dropped the sharding of %d parameters (%s); restored",
-                 type(optimizer).__name__, len(restored), ", ".join(restored[:3]))
+                 type(optimizer).__name__, len(params), ", ".join(params[:3]))
+    if states:
+        log.debug("xla_tp: %d optimizer states of %s sharded like their parameters",
+                  states, type(optimizer).__name__)
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    optim.before_step(optimizer)
 
 
 def _install_hook() -> None:
-    global _hook_handle
-    if _hook_handle is None:
-        _hook_handle = register_optimizer_step_post_hook(_after_step)
+    global _hook_handles
+    if not _hook_handles:
+        _hook_handles = (register_optimizer_step_pre_hook(_before_step),
+                         register_optimizer_step_post_hook(_after_step))

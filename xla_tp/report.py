@@ -15,7 +15,7 @@ import torch_xla.distributed.spmd as xs
 from torch import nn
 
 from .guard import SHARDING_ATTR
-from .plan.layout import Spec
+from .plan.layout import Spec, spec_axes
 
 
 @dataclass(frozen=True)
@@ -32,8 +32,7 @@ def local_shape(shape: tuple[int, ...], spec: Spec, mesh: xs.Mesh) -> tuple[int,
     sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
     out = []
     for n, axes in zip(shape, spec):
-        names = () if axes is None else (axes if isinstance(axes, tuple) else (axes,))
-        out.append(-(-n // math.prod(sizes[a] for a in names)))
+        out.append(-(-n // math.prod(sizes[a] for a in spec_axes(axes))))
     return tuple(out)
 
 

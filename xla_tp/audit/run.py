@@ -34,7 +34,7 @@ from ..mesh import MeshLike, to_xs_mesh
 from ..plan.applied import layout_of
 from ..plan.layout import Layout
 from .capture import capture_partitioned_hlo, post_optimization_hlo_enabled
-from .hlo import dot_flops, mesh_axes_of_groups, parse_collectives
+from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
 from .minimum import ActivationRecorder, Expected, minimum_collectives
 from .params import local_numel, param_bytes, sharding_string
 from .report import AuditReport
@@ -61,7 +61,6 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
 
     ``unsharded_flops``, when the caller knows it, saves compiling the unsharded program.
     """
-    sizes = {str(n): int(s) for n, s in zip(xmesh.axis_names, xmesh.mesh_shape)}
     module = target if isinstance(target, nn.Module) else None
     layout = plan_layout or (layout_of(module) if module is not None else None)
     seed = xm.get_rng_state()
@@ -74,32 +73,40 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
     finally:
         xm.set_rng_state(seed)
         kept.restore()
-    found = parse_collectives(text)
     ids = np.asarray(xmesh.device_ids).reshape(tuple(xmesh.mesh_shape))
-    names = tuple(str(n) for n in xmesh.axis_names)
-    collectives: dict[str, dict] = {}
-    for c in found:
-        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "axes": []})
-        entry["count"] += 1
-        entry["bytes"] += c.bytes
-        axes = "+".join(mesh_axes_of_groups(c.replica_groups, ids, names)) or "-"
-        if axes not in entry["axes"]:
-            entry["axes"].append(axes)
-    report = AuditReport(mesh=sizes, backward=backward, collectives=collectives,
-                         comm_bytes=sum(c.bytes for c in found), flops_per_device=dot_flops(text),
-                         unsharded_flops=unsharded)
+    report, found = report_from_hlo(text, ids, tuple(str(n) for n in xmesh.axis_names), backward, unsharded)
     if module is not None:
         report.param_bytes_per_device, report.param_bytes_total = param_bytes(module)
     else:
         report.notes.append("a function, not a module: no parameter bytes or compute balance")
     if layout is not None and module is not None:
-        _set_minimum(report, calls, module, layout, found)
+        set_minimum(report, calls, module, layout, found)
     else:
         report.notes.append("no plan layout: the communication minimum is unknown")
     if not post_optimization_hlo_enabled():
         report.notes.append("partitioned by jaxlib's XLA for CPU (XLA_DUMP_POST_OPTIMIZATIONS was not set at "
                             "start-up; set it to read the device compiler's own program)")
     return report
+
+
+def report_from_hlo(text: str, device_ids: np.ndarray, axis_names: tuple[str, ...], backward: bool,
+                    unsharded_flops: Optional[int]) -> tuple[AuditReport, list[Collective]]:
+    """The report's collectives and FLOPs read from partitioned HLO ``text`` (any compiler's), and
+    the collectives found. ``device_ids`` is the mesh's device-id array, one dimension per axis."""
+    found = parse_collectives(text)
+    collectives: dict[str, dict] = {}
+    for c in found:
+        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "axes": []})
+        entry["count"] += 1
+        entry["bytes"] += c.bytes
+        axes = "+".join(mesh_axes_of_groups(c.replica_groups, device_ids, axis_names)) or "-"
+        if axes not in entry["axes"]:
+            entry["axes"].append(axes)
+    sizes = {name: int(size) for name, size in zip(axis_names, device_ids.shape)}
+    report = AuditReport(mesh=sizes, backward=backward, collectives=collectives,
+                         comm_bytes=sum(c.bytes for c in found), flops_per_device=dot_flops(text),
+                         unsharded_flops=unsharded_flops)
+    return report, found
 
 
 class _Annotations:
@@ -186,11 +193,20 @@ class _suspended_hooks:
                 hooks[key] = hooks.pop(key)
 
 
-def _set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout,
-                 found: list) -> None:
+def _sharded_numel(name: str, p: torch.Tensor) -> int:
+    return local_numel(tuple(p.shape), sharding_string(p))
+
+
+def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout, found: list,
+                grad_numel: Callable[[str, torch.Tensor], int] = _sharded_numel) -> None:
+    """Fill ``report.expected`` and ``comm_minimum_bytes`` from the recorded ``calls``.
+
+    ``grad_numel(name, param)``: elements of the largest shard of that parameter's gradient (by
+    default read from the XLA tensor's sharding).
+    """
     expected = minimum_collectives(calls, module, layout, report.mesh, report.backward)
     if report.backward:
-        expected += _data_grad_allreduces(module, layout, report.mesh)
+        expected += _data_grad_allreduces(module, layout, report.mesh, grad_numel)
     if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
         tp = report.mesh.get(layout.tp_axis, 1)
         expected = [Expected("all-reduce", e.elements * tp, e.dtype, e.where)
@@ -208,11 +224,12 @@ def _set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: La
     report.comm_minimum_bytes = sum(v["bytes"] for v in summary.values())
 
 
-def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int]) -> list[Expected]:
+def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int],
+                          grad_numel: Callable[[str, torch.Tensor], int]) -> list[Expected]:
     """With a data axis, one all-reduce per parameter gradient (its local size)."""
     if math.prod(sizes.get(a, 1) for a in layout.batch_axes) == 1:
         return []
-    return [Expected("all-reduce", local_numel(tuple(p.shape), sharding_string(p)), p.dtype, name + " grad")
+    return [Expected("all-reduce", grad_numel(name, p), p.dtype, name + " grad")
             for name, p in module.named_parameters() if p.requires_grad]
 
 

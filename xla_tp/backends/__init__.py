@@ -13,7 +13,7 @@ import torch
 import torch_xla.distributed.spmd as xs
 
 from ..errors import PlanError
-from ..plan.layout import Spec
+from ..plan.layout import Spec, spec_axes
 
 ShardFn = Callable[[torch.Tensor, xs.Mesh, Spec], torch.Tensor]
 
@@ -31,7 +31,7 @@ def shard_distribute(t: torch.Tensor, mesh: xs.Mesh, spec: Spec) -> torch.Tensor
 
     placements = []
     for axis in mesh.axis_names:
-        dims = [d for d, a in enumerate(spec) if a == axis or (isinstance(a, tuple) and axis in a)]
+        dims = [d for d, a in enumerate(spec) if axis in spec_axes(a)]
         placements.append(Shard(dims[0]) if dims else Replicate())
     device_mesh = _device_mesh(mesh)
     return distribute_tensor(t, device_mesh, placements).global_tensor

@@ -1,7 +1,9 @@
 """Put every parameter and buffer of a module on the XLA device with its sharding.
 
 CPU tensors are copied over; ``meta`` tensors become lazy XLA tensors, are annotated, and are
-then initialised by their module's ``reset_parameters()`` (so the values are created sharded).
+then initialised by their module's own init (``backends.init``: a Hugging Face model's
+``_init_weights``, else ``reset_parameters()``), one module per program, so the values are created
+sharded, on the device, without the model ever existing whole on the host or on a device.
 Tied parameters stay tied. Each sharded parameter remembers its sharding for the optimizer
 guard (``xla_tp.guard``).
 
@@ -21,6 +23,7 @@ from torch import nn
 from ..guard import SHARDING_ATTR, forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
 from . import ShardFn
+from .init import initializer
 
 
 def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn,
@@ -31,8 +34,7 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
     go back to replicated."""
     device = torch_xla.device()
     memo: dict[int, torch.Tensor] = {}
-    to_reset: dict[int, nn.Module] = {}
-    sharded: list[nn.Parameter] = []
+    to_init: dict[str, None] = {}
     for mfqn, mod in module.named_modules(remove_duplicate=False):
         had_meta = False
         for name, p in list(mod._parameters.items()):
@@ -42,8 +44,6 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
                 had_meta |= p.is_meta
                 fqn = f"{mfqn}.{name}" if mfqn else name
                 memo[id(p)] = _place_param(p, fqn, specs.get(fqn), mesh, shard, device, fqn in stale)
-                if fqn in specs:
-                    sharded.append(memo[id(p)])
             mod._parameters[name] = memo[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
@@ -53,13 +53,20 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
                 memo[id(b)] = _to_device(b, device)
             mod._buffers[name] = memo[id(b)]
         if had_meta:
-            to_reset[id(mod)] = mod
-    if to_reset:
-        with torch.no_grad():
-            for mod in to_reset.values():
-                mod.reset_parameters()
-        for p in sharded:
-            restore_sharding(p)
+            to_init.setdefault(mfqn)
+    for mfqn in to_init:
+        _initialise(module, mfqn)
+    torch_xla.sync()
+
+
+def _initialise(root: nn.Module, fqn: str) -> None:
+    """Run one module's init and execute it on its own. Random init is not partitioned by GSPMD
+    (each device draws the whole tensor, then keeps its shard): one module per program keeps that
+    temporary at one module's tensors instead of the whole model's."""
+    with torch.no_grad():
+        initializer(root, fqn)()
+    for p in root.get_submodule(fqn).parameters(recurse=False):
+        restore_sharding(p)  # an in-place init may leave the parameter replicated
     torch_xla.sync()
 
 

@@ -1,52 +1,79 @@
-"""``explain(model, plan, mesh)``: what a plan does to every parameter, as text.
+"""``explain(model, plan, mesh)``: what a plan does to every parameter, and why, as text.
 
-Per parameter: the plan key that matched (or why it stays replicated), its spec, per-device
-shape and bytes (``xla_tp.report``'s table), then the per-device total against the ideal
-``total / model-axis size``. Nothing is mutated. Example::
+Parameters are grouped by pattern (layer indices as ``*``): the role and its reason (for a plan of
+"auto"; the plan key and style otherwise), then why the rest stays replicated, then per group the
+shape, spec, per-device shape and bytes, and the totals against the ideal ``total / model-axis
+size``, with the padding uneven dimensions cost. Nothing is mutated. Example::
 
     print(explain(model, plan_for(model, mesh=mesh), mesh))
 """
 from __future__ import annotations
 
 import math
+import re
 from typing import Any, Mapping
 
 from torch import nn
 
 from ..mesh import canonical_axis, to_xs_mesh
 from ..report import ParamRow, format_table, local_shape
+from .layout import spec_axes
 from .normalize import build_layout
+from .unplanned import unplanned_parameters
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$|[ ,)'])")
 
 
-def param_rules(model: nn.Module, plan: Mapping, mesh: Any, tp_axis: str = "model") -> dict[str, tuple]:
-    """Parameter FQN -> (plan key, spec) for every parameter the plan shards."""
-    xmesh = to_xs_mesh(mesh)
-    axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
-    layout = build_layout(model, plan, axes, canonical_axis(tp_axis), strict=False)
-    out = {}
-    for fqn, ml in layout.modules.items():
-        for local in ml.params:
-            out[f"{fqn}.{local}" if fqn else local] = (ml.source, layout.params.get(f"{fqn}.{local}" if fqn else local))
-    return out
+def _pattern(text: str) -> str:
+    return _INDEX.sub("*", text)
+
+
+def _grouped(lines: dict[str, str]) -> list[str]:
+    """``{name: text}`` -> one line per (pattern, text) pair, in first-seen order."""
+    seen: dict[tuple[str, str], None] = {}
+    for name, text in lines.items():
+        seen.setdefault((_pattern(name), _pattern(text)), None)
+    width = max((len(n) for n, _ in seen), default=0)
+    return [f"  {n:<{width}}  {t}" for n, t in seen]
 
 
 def explain(model: nn.Module, plan: Mapping, mesh: Any = None, tp_axis: str = "model") -> str:
-    """The sharding table, totals and the replicated list with reasons."""
+    """The roles, the replicated parameters with reasons, the grouped sharding table and totals."""
     xmesh = to_xs_mesh(mesh)
-    rules = param_rules(model, plan, xmesh, tp_axis)
-    reasons = getattr(plan, "replicated", {})
-    rows, lines = [], []
+    axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    tp_axis = canonical_axis(tp_axis)
+    layout = build_layout(model, plan, axes, tp_axis, strict=False)
+    roles = getattr(plan, "roles", None)
+    keys = {f"{fqn}.{n}" if fqn else n: f"{ml.source} -> {ml.style}"
+            for fqn, ml in layout.modules.items() for n in ml.params}
+    names = [n for n, _ in model.named_parameters()]
+    unplanned = unplanned_parameters(model, layout)
+    replicated = getattr(plan, "replicated", None) or unplanned
+    split = {n: (roles[n].why if roles is not None and n in roles else keys.get(n, "")) for n in names
+             if n not in unplanned}
+    groups: dict[str, list] = {}
     for name, p in model.named_parameters():
-        key, spec = rules.get(name, ("-", None))
-        spec = spec or (None,) * p.dim()
+        spec = layout.params.get(name) or (None,) * p.dim()
+        groups.setdefault(_pattern(name), []).append((p, spec))
+    rows, padding = [], 0
+    for pattern, members in groups.items():
+        p, spec = members[0]
         loc = local_shape(tuple(p.shape), spec, xmesh)
-        rows.append(ParamRow(f"{name}  <- {key}", tuple(p.shape), spec, loc, math.prod(loc) * p.element_size()))
-        if all(a is None for a in spec):
-            lines.append(f"  {name}: {reasons.get(name, 'no plan key shards it')}")
+        per_device = math.prod(loc) * p.element_size() * len(members)
+        ways = math.prod(axes[a] for entry in spec for a in spec_axes(entry))
+        padding += (math.prod(loc) * ways - p.numel()) * p.element_size() * len(members)
+        label = f"{pattern} (x{len(members)})" if len(members) > 1 else pattern
+        rows.append(ParamRow(label, tuple(p.shape), spec, loc, per_device))
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    tp = dict(zip(xmesh.axis_names, xmesh.mesh_shape)).get(canonical_axis(tp_axis), 1)
+    tp = axes.get(tp_axis, 1)
     per_device = sum(r.local_bytes for r in rows)
-    head = f"family: {getattr(plan, 'family', 'user plan')}"
-    summary = (f"per device: {per_device} bytes of {total} total (ideal total/{tp} = {total // tp}; "
-               f"ratio {per_device / max(total / tp, 1):.2f})")
-    return "\n".join([head, format_table(rows), summary, "replicated:", *lines])
+    mesh_text = " x ".join(f"{a}={s}" for a, s in axes.items())
+    lines = [f"plan for {type(model).__name__} on mesh {mesh_text}",
+             "split:" if split else "split: nothing", *_grouped(split),
+             "replicated:" if replicated else "replicated: nothing",
+             *_grouped({n: replicated.get(n, "") for n in names if n in replicated}),
+             "parameters:", format_table(rows),
+             f"per device: {per_device} bytes of {total} total (ideal total/{tp} = {total // tp}; ratio "
+             f"{per_device / max(total / tp, 1):.2f}); padding of uneven dimensions: {padding} bytes over all devices"]
+    return "\n".join(lines)
+

@@ -39,11 +39,11 @@ parameter (a Linear's ``out_features``, an MoE ``[E, in, out]`` tensor's ``in``)
   fix partial gradients or double counting of eager local compute; a global program has neither.
 - ``grouped_gemm`` never rewrites ``module.num_experts``: the program still sees every expert.
 
-Example::
+Example:
 
-    lower_hf_style("colwise", "layers.0.q_proj", nn.Linear(8, 16), "layers.*.q_proj", "model")
-    # ModuleLayout(params={'weight': ('model', None), 'bias': ('model',)},
-    #              inputs=((Replicate(),),), outputs=((Shard(-1),),))
+>>> ml = lower_hf_style("colwise", "layers.0.q_proj", nn.Linear(8, 16), "layers.*.q_proj", "model")
+>>> ml.params, ml.inputs, ml.outputs
+({'weight': ('model', None), 'bias': ('model',)}, ((Replicate(),),), ((Shard(dim=-1),),))
 """
 from __future__ import annotations
 
@@ -160,10 +160,13 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
     Merges, later entries winning: ``config.base_model_tp_plan`` (keys relative to the base model,
     prefixed with ``base_model_prefix`` when ``model`` wraps one), each child's ``_tp_plan``
     (prefixed with the child's name), then the model's own ``_tp_plan`` (e.g. ``lm_head``).
-    Example::
+    Example:
 
-        hf_plan(LlamaForCausalLM(cfg))
-        # {'model.layers.*.self_attn.q_proj': 'colwise', ..., 'lm_head': 'colwise_gather_output'}
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> plan = hf_plan(LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    ...                                            num_attention_heads=2, vocab_size=32)))
+    >>> plan["model.layers.*.self_attn.q_proj"], plan["lm_head"]
+    ('colwise', 'colwise_gather_output')
     """
     plan: dict[str, str] = {}
     prefix = getattr(model, "base_model_prefix", "") or ""

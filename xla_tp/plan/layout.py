@@ -10,11 +10,11 @@ A ``Layout`` holds, per module that the plan names, a ``ModuleLayout``:
   all-gathered here". Placements keep torch's types so negative dims resolve against the
   activation's rank at run time.
 
-Example::
+Example (what ``ColwiseParallel()`` on ``layers.0.wq`` lowers to):
 
-    ModuleLayout(fqn="layers.0.wq", source="layers.*.wq", style="ColwiseParallel()",
-                 params={"weight": ("model", None)},
-                 inputs=((Replicate(), Replicate()),), outputs=((Shard(-1),),))
+>>> ModuleLayout(fqn="layers.0.wq", source="layers.*.wq", style="ColwiseParallel()",
+...              params={"weight": ("model", None)}, inputs=((Replicate(),),), outputs=((Shard(-1),),))
+ModuleLayout(fqn='layers.0.wq', source='layers.*.wq', style='ColwiseParallel()', params={'weight': ('model', None)}, inputs=((Replicate(),),), kwarg_inputs={}, outputs=((Shard(dim=-1),),), natural_output=None)
 """
 from __future__ import annotations
 
@@ -54,6 +54,26 @@ class Layout:
     params: dict[str, Spec] = field(default_factory=dict)
 
 
+def spec_axes(axes: Axis) -> tuple[str, ...]:
+    """The mesh axes one spec entry names.
+
+    >>> spec_axes(None), spec_axes("model"), spec_axes(("data", "fsdp"))
+    ((), ('model',), ('data', 'fsdp'))
+    """
+    if axes is None:
+        return ()
+    return axes if isinstance(axes, tuple) else (axes,)
+
+
+def uses_axis(spec: Spec, axis: str) -> bool:
+    """Whether any dimension of ``spec`` is split over ``axis``.
+
+    >>> uses_axis((None, ("data", "model")), "model"), uses_axis(("data", None), "model")
+    (True, False)
+    """
+    return any(axis in spec_axes(a) for a in spec)
+
+
 def chain(*placements: Optional[Placement]) -> Chain:
     """The placements to constrain to, in order, with Nones and repeats dropped.
 
@@ -90,9 +110,5 @@ def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis
         spec[0] = batch_axes if len(batch_axes) > 1 else batch_axes[0]
     if isinstance(placement, Shard):
         dim = placement.dim % ndim
-        if spec[dim] is None:
-            spec[dim] = tp_axis
-        else:
-            prev = spec[dim] if isinstance(spec[dim], tuple) else (spec[dim],)
-            spec[dim] = (*prev, tp_axis)
+        spec[dim] = (*spec_axes(spec[dim]), tp_axis) if spec[dim] is not None else tp_axis
     return tuple(spec)

@@ -22,10 +22,10 @@ Precedence (what ``normalize.build_layout`` does with these functions):
 Ordered rule lists (``re.search``, first match wins) are resolved per parameter in ``rules.py``
 into exact parameter keys, so they never compete here.
 
-Example::
+Example:
 
-    matches, unused = match_keys(["layers.*.wq"], ["", "layers", "layers.0", "layers.0.wq"])
-    matches == {"layers.0.wq": "layers.*.wq"}; unused == []
+>>> match_keys(["layers.*.wq", "norm"], ["", "layers", "layers.0", "layers.0.wq"])
+({'layers.0.wq': 'layers.*.wq'}, ['norm'])
 """
 from __future__ import annotations
 

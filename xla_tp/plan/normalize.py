@@ -1,10 +1,12 @@
 """Plan input -> ``Layout``: match keys, lower each style, collect per-parameter specs.
 
-Example::
+Example:
 
-    layout = build_layout(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()},
-                          mesh_axes={"model": 4}, tp_axis="model", strict=True)
-    layout.params   # {'fc1.weight': ('model', None), 'fc1.bias': ('model',), 'fc2.weight': (None, 'model'), ...}
+>>> from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+>>> mlp = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16))
+>>> layout = build_layout(mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}, {"model": 4}, "model")
+>>> layout.params
+{'0.weight': ('model', None), '0.bias': ('model',), '2.weight': (None, 'model'), '2.bias': (None,)}
 """
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from ..errors import PlanError
-from .layout import Layout, ModuleLayout, Spec
+from .layout import Layout, ModuleLayout, Spec, uses_axis
 from .match import match_keys, suggest
+from .styles import Style
 from .hf import lower_hf_style
 from .torch_styles import lower_torch_style
 
@@ -64,7 +67,7 @@ def lower_style(style: Any, fqn: str, module: nn.Module, key: str, tp_axis: str)
         return lower_torch_style(style, fqn, module, key, tp_axis)
     if isinstance(style, str):
         return lower_hf_style(style, fqn, module, key, tp_axis)
-    if callable(getattr(style, "lower", None)):
+    if isinstance(style, Style):
         return style.lower(fqn, module, key, tp_axis)
     raise PlanError(f"plan key {key!r}: {style!r} is not a style; use a torch ParallelStyle such as "
                     f"ColwiseParallel(), a Hugging Face style string such as 'colwise', or ShardParams")
@@ -73,11 +76,11 @@ def lower_style(style: Any, fqn: str, module: nn.Module, key: str, tp_axis: str)
 def lower_param(style: Any, fqn: str, module: nn.Module, param: str, key: str, tp_axis: str) -> ModuleLayout:
     """A key that names parameter ``param`` of ``module`` (at ``fqn``): only that parameter is planned.
 
-    A style with ``lower_param`` decides itself (rule lists); any other style is lowered on the
-    owning module and only the parameter's spec is kept, without activation constraints (HF's
+    An xla_tp ``Style`` decides itself (rule lists refuse ``[i]`` keys); any other style is lowered on
+    the owning module and only the parameter's spec is kept, without activation constraints (HF's
     per-parameter rule). Example: ``{"experts.gate_up_proj": "packed_colwise"}``.
     """
-    if callable(getattr(style, "lower_param", None)):
+    if isinstance(style, Style):
         return style.lower_param(fqn, module, param, key, tp_axis)
     whole = lower_style(style, fqn, module, key, tp_axis)
     params = {param: whole.params[param]} if param in whole.params else {}
@@ -119,7 +122,7 @@ def _add_fsdp(module: nn.Module, specs: dict[str, Spec], fsdp_size: int) -> None
     """Shard every parameter's first free dimension that divides over the ``fsdp`` axis."""
     for name, p in module.named_parameters():
         spec = list(specs.get(name, (None,) * p.dim()))
-        if any(a == FSDP_AXIS or (isinstance(a, tuple) and FSDP_AXIS in a) for a in spec):
+        if uses_axis(spec, FSDP_AXIS):
             continue  # the plan placed the fsdp axis itself
         for d, size in enumerate(p.shape):
             if spec[d] is None and size % fsdp_size == 0:

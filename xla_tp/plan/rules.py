@@ -35,13 +35,13 @@ from torch import nn
 from ..errors import PlanError
 from ..mesh import canonical_axis
 from .layout import Axis, ModuleLayout, Spec
-from .styles import ShardParams
+from .styles import ShardParams, Style
 
 _INDEX = re.compile(r"^(.*)\[(\d+)\]$")
 
 
 @dataclass(frozen=True)
-class AxisRule:
+class AxisRule(Style):
     """Mesh axes for what its key names: a parameter's spec, or a module's output specs by index.
 
     Example: ``AxisRule((("data", None, "model"),))`` on ``layers.*`` constrains each layer's output.
@@ -87,10 +87,10 @@ def _to_axis(value: Any, key: str) -> Axis:
 def load_rules(source: Union[str, os.PathLike, Mapping[str, Any]]) -> dict[str, AxisRule]:
     """A torchprime-style rule mapping (dict, YAML text, or YAML file path) -> plan dict.
 
-    A top-level ``sharding:`` mapping is unwrapped. Example::
+    A top-level ``sharding:`` mapping is unwrapped. Example:
 
-        plan = load_rules("model.layers.*.mlp.up_proj.weight: [model, null]")
-        plan == {"model.layers.*.mlp.up_proj.weight": AxisRule((("model", None),))}
+    >>> load_rules("model.layers.*.mlp.up_proj.weight: [tp, null]")
+    {'model.layers.*.mlp.up_proj.weight': AxisRule(specs=(('model', None),), indexed=False)}
     """
     rules = _read(source)
     grouped: dict[str, dict[int, Spec]] = {}
@@ -136,10 +136,12 @@ RuleList = Sequence[tuple[str, Any]]
 def regex_plan(module: nn.Module, rules: RuleList, strict: bool = True) -> dict[str, AxisRule]:
     """Resolve an ordered ``(regex, spec)`` list against ``module``'s parameters; first match wins.
 
-    Example::
+    Example:
 
-        plan = regex_plan(model, [(r"q_proj\\.weight$", ("model", None)), (r".*", ())])
-        # {"layers.0.q_proj.weight": AxisRule((("model", None),)), "layers.0.q_proj.bias": ..., ...}
+    >>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    >>> plan = regex_plan(mlp, [(r"^0\\.weight$", ("model", None)), (r".*", ())])
+    >>> plan["0.weight"], plan["0.bias"]
+    (AxisRule(specs=(('model', None),), indexed=False), AxisRule(specs=((None,),), indexed=False))
     """
     compiled = [(_compile(pattern), to_spec(spec, pattern)) for pattern, spec in rules]
     plan: dict[str, AxisRule] = {}

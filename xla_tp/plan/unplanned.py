@@ -1,17 +1,18 @@
 """Which parameters a plan leaves replicated over the tensor-parallel axis, and why.
 
-Example::
+Example:
 
-    layout = build_layout(model, {"fc1": ColwiseParallel(), "norm": SequenceParallel()}, {"model": 4}, "model")
-    unplanned_parameters(model, layout)
-    # {'fc2.weight': "no plan key matches module 'fc2' or parameter 'fc2.weight'", ...,
-    #  'norm.weight': "style SequenceParallel(...) (key 'norm') replicates it"}   # fc1.* are sharded: absent
+>>> from torch.distributed.tensor.parallel import ColwiseParallel
+>>> from xla_tp.plan.normalize import build_layout
+>>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+>>> unplanned_parameters(mlp, build_layout(mlp, {"0": ColwiseParallel()}, {"model": 4}, "model"))
+{'2.weight': "no plan key matches module '2' or parameter '2.weight'"}
 """
 from __future__ import annotations
 
 from torch import nn
 
-from .layout import Layout, Spec
+from .layout import Layout, uses_axis
 
 
 def unplanned_parameters(module: nn.Module, layout: Layout) -> dict[str, str]:
@@ -24,7 +25,7 @@ def unplanned_parameters(module: nn.Module, layout: Layout) -> dict[str, str]:
     out: dict[str, str] = {}
     for name, _ in module.named_parameters():
         spec = layout.params.get(name)
-        if spec is not None and _uses(spec, layout.tp_axis):
+        if spec is not None and uses_axis(spec, layout.tp_axis):
             continue
         owner, _, local = name.rpartition(".")
         ml = layout.modules.get(owner)
@@ -38,6 +39,3 @@ def unplanned_parameters(module: nn.Module, layout: Layout) -> dict[str, str]:
             out[name] += f" (sharded over {spec} only)"
     return out
 
-
-def _uses(spec: Spec, axis: str) -> bool:
-    return any(a == axis or (isinstance(a, tuple) and axis in a) for a in spec)

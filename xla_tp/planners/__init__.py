@@ -1,52 +1,75 @@
-"""Rule-based planners: ``plan_for(model, mesh)`` -> the ``Plan`` ``parallelize_xla(model, "auto")`` uses.
+"""``plan_for(model, mesh)``: the plan ``parallelize_xla(model, "auto")`` applies, from the model's dataflow.
 
-One small file per family, each a table of (FQN suffix, role) plus a structural ``detect``; the
-first family whose structure matches wins (most specific first, plain Linear stacks last).
-Example::
+One forward is traced on fake tensors (``xla_tp.dataflow``); each weight's role comes from what
+its tensors do (``roles``): column-parallel when its output features feed attention or an
+element-wise chain into another projection, row-parallel when it contracts them back, vocab-parallel
+for embeddings looked up with the input ids and output heads. Logical axes go to mesh axes through
+one table (``logical.LOGICAL_AXES``). Nothing is decided by module names. Example:
 
-    plan = plan_for(model, mesh=xla_tp.make_mesh(data=2, model=4))
-    plan.family, plan.replicated          # 'hf_decoder', {'model.norm.weight': 'norm: ...', ...}
-    print(plan.explain(model, mesh))
+>>> import xla_tp
+>>> from transformers import LlamaConfig, LlamaForCausalLM
+>>> llama = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+...                                      num_attention_heads=8, num_key_value_heads=2, vocab_size=128))
+>>> plan = plan_for(llama, mesh=xla_tp.make_mesh(data=2, model=4))
+>>> plan["model.layers.*.self_attn.q_proj"].role, plan["lm_head"].role
+('column-parallel', 'vocab-parallel output head')
+>>> plan.replicated["model.layers.0.self_attn.k_proj.weight"].startswith("its output splits into 2 heads")
+True
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
+from ..dataflow.regions import is_attention
+from ..dataflow.trace import trace
 from ..errors import PlanError
 from ..mesh import canonical_axis, to_xs_mesh
-from . import bert, gpt2, hf_decoder, mlp, titan, torch_transformer
-from .plan import Plan
+from .plan import Plan, build_plan
+from .roles import decide
 
-FAMILIES = (torch_transformer, gpt2, bert, hf_decoder, titan, mlp)
-
-__all__ = ["FAMILIES", "Plan", "plan_for"]
+__all__ = ["Plan", "plan_for"]
 
 
 def axis_size(mesh: Any, tp_axis: str) -> int:
-    """Size of ``tp_axis`` in ``mesh`` (any mesh ``make_mesh``/``parallelize_xla`` accepts)."""
-    xmesh = to_xs_mesh(mesh)
-    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    """Size of ``tp_axis`` in ``mesh``: any mesh ``parallelize_xla`` accepts, or axis sizes
+    (``{"data": 2, "model": 4}``, which need no XLA runtime)."""
+    if isinstance(mesh, Mapping):
+        sizes = {canonical_axis(str(k)): int(v) for k, v in mesh.items()}
+    else:
+        xmesh = to_xs_mesh(mesh)
+        sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     axis = canonical_axis(tp_axis)
     if axis not in sizes:
         raise PlanError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: {list(sizes)})")
     return sizes[axis]
 
 
-def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model") -> Plan:
-    """The plan ``"auto"`` would apply to ``model`` on ``mesh``: recognised by module structure.
+def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
+             example_inputs: Optional[Sequence[Any]] = None,
+             example_kwargs: Optional[Mapping[str, Any]] = None) -> Plan:
+    """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
-    Example: ``plan_for(LlamaForCausalLM(cfg), mesh=make_mesh(data=2, model=4)).family == "hf_decoder"``.
-
-    A model no planner recognises is a ``PlanError`` (pass a plan instead); a recognised one whose
-    dimensions do not divide the axis gets a plan that leaves them replicated, with the reasons in
-    ``plan.replicated``.
+    ``mesh`` is any mesh ``parallelize_xla`` accepts, or axis sizes such as ``{"model": 4}``. Without
+    ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
+    floats of its first layer's width otherwise). Attention that cannot be split is a ``PlanError``;
+    a weight whose role cannot be determined stays replicated, its reason in ``plan.replicated``.
+    Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
+    if not isinstance(model, nn.Module):
+        raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
-    for family in FAMILIES:
-        if family.detect(model):
-            return family.plan(model, tp)
-    raise PlanError(f"no planner recognises {type(model).__name__} (families: HF decoders, GPT-2, "
-                    f"BERT/RoBERTa, torch transformer layers, torchtitan Llama, Linear stacks); "
-                    f"pass a plan dict instead")
+    graph = trace(model, example_inputs, example_kwargs)
+    roles = decide(graph, tp)
+    sites = {n.module for n in graph.nodes if is_attention(n)} | roles.sites
+    plan = build_plan(model, graph, roles, sites)
+    if not plan:
+        raise PlanError(f"plan 'auto' found nothing to split in {type(model).__name__}: "
+                        f"{_first_reasons(plan)}; pass a plan dict instead")
+    return plan
+
+
+def _first_reasons(plan: Plan) -> str:
+    items = list(plan.replicated.items())[:3]
+    return "; ".join(f"{n}: {why}" for n, why in items) or "it has no parameters"

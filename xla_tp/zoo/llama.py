@@ -132,10 +132,10 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm block: ``h = x + attention(attention_norm(x), rope)``; ``h + feed_forward(ffn_norm(h))``."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, attention: type = Attention) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
+        self.attention = attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
@@ -147,11 +147,13 @@ class TransformerBlock(nn.Module):
 class Llama(nn.Module):
     """Decoder-only Llama: ``forward(tokens [B, S]) -> logits [B, S, vocab_size]``."""
 
+    attention: type = Attention  # the attention module each block builds
+
     def __init__(self, args: LlamaArgs | None = None) -> None:
         super().__init__()
         self.args = args = args or LlamaArgs()
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, self.attention) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.register_buffer("rope", self._compute_rope(), persistent=False)

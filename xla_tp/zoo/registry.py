@@ -1,12 +1,13 @@
 """Tiny models by name, built from configs (no hub download), at two widths, with example inputs.
 
-Names: llama, mistral, qwen2, qwen3, gemma, gemma2, granite, cohere, gpt2, bert, roberta, torch_encoder, torch_mha, mlp,
-titan_llama; widths ``"tiny"`` (hidden 64, 8 heads) and ``"small"`` (hidden 128, 8 heads). A path
-to a local ``config.json`` (or a directory holding one) builds that architecture, randomly
-initialised. HF models come with their task head (causal / masked LM) unless ``head=False``.
-``example_input`` is a batch the model takes (token ids, or ``[B, S, H]`` floats for
-torch_encoder, torch_mha and mlp); ``run`` calls a model on it and returns its main output.
-Example::
+HF families (``HF_FAMILIES``): each is a transformers config class, a head (causal LM, masked LM or
+the base model) and the config arguments for a hidden width ``h``, ``kv`` key/value heads and
+``layers`` layers (8 attention heads, vocabulary 128). Plus torch's encoder and MultiheadAttention,
+a Linear stack, the torchtitan-style Llama and the CUDA-style Llama. Widths: ``"tiny"`` (hidden 64)
+and ``"small"`` (hidden 128). A path to a local ``config.json`` (or a directory holding one) builds
+that architecture, randomly initialised. ``example_input`` is a batch the model takes (token ids,
+or ``[B, S, H]`` floats for ``FLOAT_INPUTS``); ``run`` calls a model on it and returns its main
+output. Example::
 
     model = build("qwen2", width="tiny", kv_heads=2)
     logits = run(model, example_input("qwen2"))      # [4, 16, VOCAB]
@@ -22,33 +23,81 @@ import torch
 from torch import nn
 
 WIDTHS = {"tiny": 64, "small": 128}
-HEADS, VOCAB, LAYERS = 8, 128, 2
+HEADS, VOCAB, LAYERS, POSITIONS = 8, 128, 2, 64
 
 
-def _hf(config_name: str, auto_class: str, kw: Callable[[int, int, int], dict]) -> Callable[..., nn.Module]:
-    """Builds ``config_name(**kw(h, kv_heads, layers))`` as ``auto_class`` (``head=False``: base model)."""
-    def make(h: int, kv_heads: int, layers: int, head: bool) -> nn.Module:
-        import transformers
-        cfg = getattr(transformers, config_name)(**kw(h, kv_heads, layers))
-        return getattr(transformers, auto_class if head else "AutoModel").from_config(cfg)
-    return make
+def _decoder(h: int, kv: int, layers: int) -> dict:
+    return dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=HEADS,
+                num_key_value_heads=kv, head_dim=h // HEADS, vocab_size=VOCAB, max_position_embeddings=POSITIONS,
+                bos_token_id=0, eos_token_id=1, pad_token_id=None)
 
 
-def _decoder(config_name: str) -> Callable[..., nn.Module]:
-    return _hf(config_name, "AutoModelForCausalLM", lambda h, kv_heads, layers: dict(
-        hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=HEADS,
-        num_key_value_heads=kv_heads, head_dim=h // HEADS, vocab_size=VOCAB, max_position_embeddings=64,
-        bos_token_id=0, eos_token_id=1, pad_token_id=None))
+def _encoder(h: int, kv: int, layers: int) -> dict:
+    return dict(hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=HEADS,
+                vocab_size=VOCAB, max_position_embeddings=POSITIONS + 8, pad_token_id=1)
 
 
-def _encoder(config_name: str) -> Callable[..., nn.Module]:
-    return _hf(config_name, "AutoModelForMaskedLM", lambda h, kv_heads, layers: dict(
-        hidden_size=h, intermediate_size=2 * h, num_hidden_layers=layers, num_attention_heads=HEADS,
-        vocab_size=VOCAB, max_position_embeddings=72, pad_token_id=1))
+def _gpt(h: int, kv: int, layers: int) -> dict:  # GPT-2 style names
+    return dict(n_embd=h, n_layer=layers, n_head=HEADS, vocab_size=VOCAB, n_positions=POSITIONS, bos_token_id=0,
+                eos_token_id=0)
 
 
-_gpt2 = _hf("GPT2Config", "AutoModelForCausalLM", lambda h, kv_heads, layers: dict(
-    n_embd=h, n_layer=layers, n_head=HEADS, vocab_size=VOCAB, n_positions=64, bos_token_id=0, eos_token_id=0))
+# name -> (config class, head, config arguments(h, kv, layers)); heads: causal | masked | base | t5_encoder
+HF_FAMILIES: dict[str, tuple[str, str, Callable[[int, int, int], dict]]] = {
+    "llama": ("LlamaConfig", "causal", _decoder),
+    "mistral": ("MistralConfig", "causal", _decoder),
+    "qwen2": ("Qwen2Config", "causal", _decoder),
+    "qwen3": ("Qwen3Config", "causal", _decoder),
+    "gemma": ("GemmaConfig", "causal", _decoder),
+    "gemma2": ("Gemma2Config", "causal", _decoder),
+    "gemma3": ("Gemma3TextConfig", "causal", _decoder),
+    "granite": ("GraniteConfig", "causal", _decoder),
+    "cohere": ("CohereConfig", "causal", _decoder),
+    "starcoder2": ("Starcoder2Config", "causal", _decoder),
+    "stablelm": ("StableLmConfig", "causal", _decoder),
+    "nemotron": ("NemotronConfig", "causal", _decoder),
+    "glm": ("GlmConfig", "causal", lambda h, kv, n: {**_decoder(h, kv, n), "pad_token_id": 0}),
+    "phi3": ("Phi3Config", "causal", lambda h, kv, n: {**_decoder(h, kv, n), "pad_token_id": 0}),
+    "olmo": ("OlmoConfig", "causal", lambda h, kv, n: {**_decoder(h, HEADS, n), "pad_token_id": 0}),
+    "phi": ("PhiConfig", "causal", lambda h, kv, n: _decoder(h, HEADS, n)),
+    "persimmon": ("PersimmonConfig", "causal", lambda h, kv, n: _decoder(h, HEADS, n)),
+    "gpt_neox": ("GPTNeoXConfig", "causal", lambda h, kv, n: {**_decoder(h, HEADS, n), "use_parallel_residual": True}),
+    "falcon": ("FalconConfig", "causal", lambda h, kv, n: dict(
+        hidden_size=h, num_hidden_layers=n, num_attention_heads=HEADS, num_kv_heads=kv, vocab_size=VOCAB,
+        new_decoder_architecture=True, bos_token_id=0, eos_token_id=1)),
+    "falcon_alibi": ("FalconConfig", "causal", lambda h, kv, n: dict(
+        hidden_size=h, num_hidden_layers=n, num_attention_heads=HEADS, vocab_size=VOCAB, alibi=True,
+        multi_query=False, parallel_attn=False, new_decoder_architecture=False, bos_token_id=0, eos_token_id=1)),
+    "mpt": ("MptConfig", "causal", lambda h, kv, n: dict(
+        d_model=h, n_heads=HEADS, n_layers=n, vocab_size=VOCAB, expansion_ratio=2, max_seq_len=POSITIONS)),
+    "gptj": ("GPTJConfig", "causal", lambda h, kv, n: {**_gpt(h, kv, n), "rotary_dim": 4}),
+    "codegen": ("CodeGenConfig", "causal", lambda h, kv, n: {**_gpt(h, kv, n), "rotary_dim": 4}),
+    "gpt2": ("GPT2Config", "causal", _gpt),
+    "gpt_bigcode": ("GPTBigCodeConfig", "causal", lambda h, kv, n: {**_gpt(h, kv, n), "multi_query": False}),
+    "opt": ("OPTConfig", "causal", lambda h, kv, n: dict(
+        hidden_size=h, ffn_dim=2 * h, num_hidden_layers=n, num_attention_heads=HEADS, vocab_size=VOCAB,
+        max_position_embeddings=POSITIONS, word_embed_proj_dim=h, bos_token_id=0, eos_token_id=1, pad_token_id=1)),
+    "biogpt": ("BioGptConfig", "causal", lambda h, kv, n: {**_encoder(h, kv, n), "bos_token_id": 0, "eos_token_id": 2}),
+    "bert": ("BertConfig", "masked", _encoder),
+    "roberta": ("RobertaConfig", "masked", _encoder),
+    "xlm_roberta": ("XLMRobertaConfig", "base", _encoder),
+    "electra": ("ElectraConfig", "base", lambda h, kv, n: {**_encoder(h, kv, n), "embedding_size": h}),
+    "mpnet": ("MPNetConfig", "base", _encoder),
+    "distilbert": ("DistilBertConfig", "base", lambda h, kv, n: dict(
+        dim=h, hidden_dim=2 * h, n_layers=n, n_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=POSITIONS)),
+    "t5_encoder": ("T5Config", "t5_encoder", lambda h, kv, n: dict(
+        d_model=h, d_kv=h // HEADS, d_ff=2 * h, num_layers=n, num_heads=HEADS, vocab_size=VOCAB)),
+}
+_HEAD_CLASSES = {"causal": "AutoModelForCausalLM", "masked": "AutoModelForMaskedLM", "base": "AutoModel",
+                 "t5_encoder": "T5EncoderModel"}
+
+
+def _hf(name: str, h: int, kv_heads: int, layers: int, head: bool) -> nn.Module:
+    import transformers
+    config_name, kind, kwargs = HF_FAMILIES[name]
+    cfg = getattr(transformers, config_name)(**kwargs(h, kv_heads, layers))
+    cls = getattr(transformers, _HEAD_CLASSES[kind] if head or kind == "t5_encoder" else "AutoModel")
+    return cls.from_config(cfg) if cls.__name__.startswith("Auto") else cls(cfg)
 
 
 def _torch_encoder(h: int, kv_heads: int, layers: int, head: bool) -> nn.Module:
@@ -70,15 +119,17 @@ def _titan(h: int, kv_heads: int, layers: int, head: bool) -> nn.Module:
     return Llama(LlamaArgs(dim=h, n_layers=layers, n_heads=HEADS, n_kv_heads=kv_heads, vocab_size=VOCAB))
 
 
+def _cuda(h: int, kv_heads: int, layers: int, head: bool) -> nn.Module:
+    from .cuda_llama import CudaLlama
+    from .llama import LlamaArgs
+    return CudaLlama(LlamaArgs(dim=h, n_layers=layers, n_heads=HEADS, n_kv_heads=kv_heads, vocab_size=VOCAB))
+
+
 BUILDERS: dict[str, Callable[..., nn.Module]] = {
-    "llama": _decoder("LlamaConfig"), "mistral": _decoder("MistralConfig"),
-    "qwen2": _decoder("Qwen2Config"), "qwen3": _decoder("Qwen3Config"), "gemma": _decoder("GemmaConfig"),
-    "gemma2": _decoder("Gemma2Config"), "granite": _decoder("GraniteConfig"), "cohere": _decoder("CohereConfig"),
-    "gpt2": _gpt2, "bert": _encoder("BertConfig"), "roberta": _encoder("RobertaConfig"),
+    **{name: (lambda name: lambda h, kv, n, head: _hf(name, h, kv, n, head))(name) for name in HF_FAMILIES},
     "torch_encoder": _torch_encoder, "torch_mha": _torch_mha, "mlp": _mlp, "titan_llama": _titan,
+    "cuda_llama": _cuda,
 }
-
-
 FLOAT_INPUTS = ("torch_encoder", "torch_mha", "mlp")  # take [B, S, H] activations, not token ids
 
 
@@ -140,7 +191,8 @@ def run(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
     ``use_cache=False``. ``run(build("llama"), example_input("llama")).shape == (4, 16, VOCAB)``.
     """
     forward = type(model).forward  # the class's: parallelize_xla may wrap the instance's forward
-    kwargs = {"use_cache": False} if "use_cache" in inspect.signature(forward).parameters else {}
+    takes = "use_cache" in inspect.signature(forward).parameters
+    kwargs = {"use_cache": False} if takes or hasattr(getattr(model, "config", None), "use_cache") else {}
     out = model(*positional_args(model, x), **kwargs)
     for field in ("logits", "last_hidden_state"):
         if getattr(out, field, None) is not None:

@@ -1,0 +1,69 @@
+"""Rows for many model families: xla_tp "auto" beside the model's own HF plan applied by hand.
+
+Each family is built tiny (``xla_tp.zoo.registry``, hidden 64, 2 layers) on a 2x4 (data x model)
+mesh. Route ``a_xla_tp`` is ``parallelize_xla(model, "auto")``; route ``b_hand_mark_sharding`` is the
+family's published ``tp_plan`` (transformers' ``base_model_tp_plan``) applied with one
+``mark_sharding`` per weight, what people write today; families that publish no plan get a row
+saying so. Metrics come from the forward audit, as in every other row. Example::
+
+    rows = family_rows(xla_tp.make_mesh(data=2, model=4))
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch_xla
+import torch_xla.distributed.spmd as xs
+
+import xla_tp
+from xla_tp.audit.run import audit_here, unsharded_dot_flops
+from xla_tp.plan.applied import layout_of
+from xla_tp.plan.hf import hf_plan
+from xla_tp.zoo import registry
+
+from .plans import hand_apply, plan_layout
+from .routes import mesh_name
+
+FAMILIES = ("mistral", "qwen2", "gemma2", "phi3", "gpt_neox", "falcon", "mpt", "gptj", "starcoder2", "opt",
+            "t5_encoder", "cuda_llama")
+KV_HEADS = {"falcon": 4, "mistral": 2}
+
+
+def family_rows(mesh: Any, families: tuple[str, ...] = FAMILIES) -> list[dict]:
+    """Route a and route b (or why it cannot run) for each family."""
+    rows = []
+    for family in families:
+        torch.manual_seed(0)
+        plan = hf_plan(registry.build(family))
+        unsharded: dict = {}
+        for route in ("a_xla_tp", "b_hand_mark_sharding"):
+            row = {"route": route, "family": family, "width": registry.WIDTHS["tiny"], "mesh": mesh_name(mesh)}
+            if route == "b_hand_mark_sharding" and not plan:
+                rows.append({**row, "status": "no published tp_plan to apply"})
+                continue
+            rows.append({**row, **_measure(family, route, plan, mesh, unsharded)})
+    return rows
+
+
+def _measure(family: str, route: str, plan: dict, mesh: Any, unsharded: dict) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = registry.build(family, kv_heads=KV_HEADS.get(family, registry.HEADS))
+    x = registry.example_input(family).to(torch_xla.device())
+    xs.mark_sharding(x, mesh, ("data",) + (None,) * (x.dim() - 1))
+    try:
+        if route == "a_xla_tp":
+            model = xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+            layout, how = layout_of(model), "auto"
+        else:
+            layout, how = plan_layout(model, plan, mesh), "HF tp_plan, mark_sharding per weight"
+            model = hand_apply(model.to(torch_xla.device()), plan, mesh)
+        args = registry.positional_args(model, x)
+        if "flops" not in unsharded:
+            unsharded["flops"] = unsharded_dot_flops(model, args, False)
+        report = audit_here(model, args, mesh, False, layout, unsharded["flops"])
+    except Exception as error:  # a route failing is a result, recorded as such
+        return {"status": f"fails: {type(error).__name__}: {str(error).splitlines()[0][:200]}"}
+    data = report.to_dict()
+    return {"status": "ok", "how": how, "all_gathers": report.count("all-gather"),
+            **{k: data[k] for k in ("comm_ratio", "compute_balance", "param_memory_ratio", "collectives")}}

@@ -1,0 +1,130 @@
+"""plan_for: roles from dataflow, not names; refusals that say what was seen; explanations."""
+import copy
+import types
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+import xla_tp
+from xla_tp import PlanError
+from xla_tp.planners import plan_for
+from xla_tp.zoo.registry import build
+
+from .helpers import assert_unchanged, max_err, snapshot
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return xla_tp.make_mesh(data=2, model=4)
+
+
+def renamed(model: nn.Module) -> nn.Module:
+    """``model`` with every named submodule renamed (``q_proj`` -> ``m_q_proj_``); the forward still finds
+    them through per-class properties, so only the names differ."""
+    for mod in list(model.modules()):
+        if not mod._modules:
+            continue
+        names = [n for n in mod._modules if not n.isdigit()]  # list indices stay: containers index by them
+        mod._modules = type(mod._modules)((n if n.isdigit() else f"m_{n}_", m) for n, m in mod._modules.items())
+        props = {n: property(lambda self, n=n: self._modules[f"m_{n}_"]) for n in names}
+        mod.__class__ = types.new_class(f"Renamed{type(mod).__name__}", (type(mod),), exec_body=lambda ns: ns.update(props))
+    return model
+
+
+def roles(plan, model) -> list:
+    by_name = {**{n: (r.kind, r.axes) for n, r in plan.roles.items()}, **{n: "replicated" for n in plan.replicated}}
+    return [by_name[n] for n, _ in model.named_parameters(remove_duplicate=False)]
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2", "torch_encoder"])
+def test_renaming_every_submodule_gives_the_same_plan(name, mesh):
+    model = build(name, kv_heads=2)
+    other = renamed(copy.deepcopy(model))
+    assert [n for n, _ in other.named_parameters()] != [n for n, _ in model.named_parameters()]
+    assert roles(plan_for(other, mesh=mesh), other) == roles(plan_for(model, mesh=mesh), model)
+
+
+def test_gqa_keeps_key_value_heads_whole_with_the_reason(mesh):
+    plan = plan_for(build("qwen2", kv_heads=2), mesh=mesh)
+    assert "model.layers.*.self_attn.k_proj" not in plan and "model.layers.*.self_attn.q_proj" in plan
+    assert "2 heads" in plan.replicated["model.layers.0.self_attn.k_proj.weight"]
+
+
+def test_packed_projections_are_found_from_their_slicing(mesh):
+    gpt2 = plan_for(build("gpt2"), mesh=mesh)
+    assert gpt2.packings["transformer.h.0.attn.c_attn.weight"].blocks == ((0, 64), (64, 64), (128, 64))
+    assert gpt2.packings["transformer.h.0.attn.c_attn.weight"].dim == 1  # Conv1D: [in, out]
+    phi3 = plan_for(build("phi3", kv_heads=4), mesh=mesh)
+    assert phi3.packings["model.layers.0.self_attn.qkv_proj.weight"].blocks == ((0, 64), (64, 32), (96, 32))
+    assert phi3.packings["model.layers.0.mlp.gate_up_proj.weight"].blocks == ((0, 128), (128, 128))
+    neox = plan_for(build("gpt_neox"), mesh=mesh)  # per-head interleaved q/k/v: split as it is
+    assert not neox.packings and "gpt_neox.layers.*.attention.query_key_value" in neox
+
+
+def test_packed_relayout_happens_only_after_validation(mesh):
+    model = build("gpt2")
+    plan = plan_for(model, mesh=mesh)
+    plan["transformer.h.*.no_such_module"] = "colwise"
+    snap = snapshot(model)
+    with pytest.raises(PlanError, match="no_such_module"):
+        xla_tp.parallelize_xla(model, plan, mesh=mesh)
+    assert_unchanged(model, snap)
+
+
+def test_attention_auto_cannot_shard_is_refused_with_what_it_saw(mesh):
+    """BLOOM merges batch and heads into one dim before its bmm: auto refuses instead of guessing."""
+    cfg = transformers.BloomConfig(hidden_size=64, n_layer=1, n_head=8, vocab_size=128)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    snap = snapshot(model)
+    with pytest.raises(PlanError) as info:
+        xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    assert "attention" in str(info.value) and "self_attention" in str(info.value)
+    assert "merges the sharded dimension" in str(info.value) and "plan dict" in str(info.value)
+    assert_unchanged(model, snap)
+
+
+def test_heads_that_do_not_divide_the_axis_are_refused(mesh):
+    cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
+                                   vocab_size=128)
+    with pytest.raises(PlanError, match="6 heads"):
+        plan_for(transformers.AutoModelForCausalLM.from_config(cfg), mesh=mesh)
+
+
+def test_linear_stacks_pair_along_their_dataflow_and_pad_uneven_widths(mesh):
+    stack = build("mlp")
+    plan = plan_for(stack, mesh=mesh)
+    assert [plan[k].role for k in sorted(plan) if k] == ["column-parallel", "row-parallel"] * 2
+    assert plan[""].inputs  # the root's input: batch over the data axis
+    torch.manual_seed(0)
+    odd = nn.Sequential(nn.Linear(8, 30), nn.ReLU(), nn.Linear(30, 8))
+    ref = copy.deepcopy(odd)
+    with pytest.warns(UserWarning, match=r"0.weight dim 0 \(30 -> 32 over 4\)"):
+        xla_tp.parallelize_xla(odd, "auto", mesh=mesh)
+    x = torch.randn(4, 8)
+    assert max_err(odd(x.to(odd[0].weight.device)), ref(x)) < 1e-5
+
+
+class TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+    def forward(self, x, gate):
+        return self.down(torch.relu(self.up(x)) * gate)
+
+
+def test_models_whose_input_cannot_be_guessed_take_example_inputs(mesh):
+    with pytest.raises(PlanError, match="example_inputs"):
+        plan_for(TwoInputs(), mesh=mesh)
+    plan = plan_for(TwoInputs(), mesh=mesh, example_inputs=(torch.zeros(2, 8, 16), torch.ones(2, 8, 64)))
+    assert set(plan) == {"", "up", "down"}
+
+
+def test_explain_shows_roles_and_reasons(mesh):
+    model = build("llama", kv_heads=2)
+    text = plan_for(model, mesh=mesh).explain(model, mesh)
+    assert "model.layers.*.self_attn.q_proj" in text and "column-parallel" in text and "row-parallel" in text
+    assert "model.layers.*.self_attn.k_proj.weight" in text and "2 heads" in text
+    assert "vocab-parallel" in text and "per device" in text

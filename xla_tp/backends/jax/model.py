@@ -1,0 +1,143 @@
+"""``JaxModel``: a torch module's parameters as sharded jax arrays, and jitted calls over them.
+
+What ``parallelize_jax`` returns. The torch module stays the program (traced by torchax); its
+parameters live in ``params`` as jax arrays laid out as the plan's layout says. Example::
+
+    jm = xla_tp.parallelize_jax(model, plan="auto", mesh={"data": 2, "model": 4})
+    logits = jm(tokens).logits                         # torch tensors in, torch tensors out
+    jm.params["model.layers.0.self_attn.q_proj.weight"].sharding.spec   # PartitionSpec('model', None)
+    loss, grads = jm.value_and_grad(loss_fn)(jm.params, tokens, labels)
+    step = jm.train_step(loss_fn, AdamW(lr=1e-3))
+    loss = step(tokens, labels)                        # jm.params updated, shardings kept
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any, Callable
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from torch import nn
+from torch.distributed.tensor.placement_types import Replicate
+
+from ...plan.layout import Layout, activation_spec
+from .program import Inputs, Outputs, Program, call_module, jax_view, signature
+from .runtime import shardy, to_jax, to_torch
+
+LossFn = Callable[..., Any]  # loss_fn(module, *batch, **kwargs) -> scalar torch tensor
+
+
+class JaxModel:
+    """``module`` sharded on ``mesh`` by ``layout``, run through JAX.
+
+    - ``jm(*args, **kwargs)``: jitted forward; torch tensors (or jax / numpy arrays) in, the module's
+      output structure with CPU torch tensors out. Inputs are sharded on the batch (dim 0) over the
+      data axes. Hugging Face models run with ``use_cache=False`` unless told otherwise.
+    - ``params`` / ``buffers``: FQN -> jax array (tied parameters appear once, under their first name).
+    - ``value_and_grad(loss_fn)``, ``train_step(loss_fn, optimizer)``, ``audit(*args)``, ``to_module()``.
+    """
+
+    def __init__(self, module: nn.Module, layout: Layout, mesh: Mesh, plan: Any):
+        self.module, self.layout, self.mesh, self.plan = module, layout, mesh, plan
+        self.program = Program(module, layout, mesh)
+        self.trainable = {n for n, p in module.named_parameters() if p.requires_grad}
+        self.params = {n: to_jax(p, self.sharding(n)) for n, p in module.named_parameters()}
+        self.buffers = {n: to_jax(b, NamedSharding(mesh, PartitionSpec())) for n, b in module.named_buffers()}
+        self._outputs: dict[tuple, Outputs] = {}
+        self._takes_use_cache = "use_cache" in inspect.signature(type(module).forward).parameters
+        self._forward = jax.jit(self._forward_fn, static_argnames=("static",))
+
+    def sharding(self, name: str) -> NamedSharding:
+        """The ``NamedSharding`` of parameter ``name`` under the layout (replicated if unplanned)."""
+        return NamedSharding(self.mesh, PartitionSpec(*self.layout.params.get(name, ())))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        arrays, static = self.inputs(args, self._defaults(kwargs))
+        with shardy():
+            flat = self._forward(self.params, self.buffers, arrays, static=static)
+        return self._outputs[signature(arrays, static)].merge([to_torch(a) for a in flat])
+
+    def _forward_fn(self, params: dict, buffers: dict, arrays: tuple, static: Inputs) -> list:
+        args, kwargs = static.merge(arrays)
+        flat, self._outputs[signature(arrays, static)] = Outputs.split(
+            self.program.run(call_module, {**params, **buffers}, args, kwargs))
+        return flat
+
+    def _defaults(self, kwargs: dict) -> dict:
+        return {"use_cache": False, **kwargs} if self._takes_use_cache else kwargs
+
+    def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, Inputs]:
+        """``(arrays, static)`` for a call: torch tensors become jax arrays sharded on the batch."""
+        return Inputs.split(args, kwargs, self._to_array)
+
+    def _to_array(self, x: Any) -> jax.Array:
+        if isinstance(x, jax.Array):
+            return x
+        if isinstance(x, np.ndarray):
+            x = torch.from_numpy(x)
+        batch = math.prod(self.mesh.shape[a] for a in self.layout.batch_axes)
+        spec = activation_spec(Replicate(), tuple(x.shape), self.layout.tp_axis, self.layout.batch_axes, batch)
+        return to_jax(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def loss(self, loss_fn: LossFn, constrained: bool = True) -> Callable:
+        """The pure loss ``f(trainable, frozen, buffers, arrays, static) -> scalar jax array``."""
+        def f(trainable: dict, frozen: dict, buffers: dict, arrays: tuple, static: Inputs) -> jax.Array:
+            args, kwargs = static.merge(arrays)
+            return jax_view(self.program.run(loss_fn, {**trainable, **frozen, **buffers}, args, kwargs,
+                                             constrained))
+        return f
+
+    def split_params(self, params: dict) -> tuple[dict, dict]:
+        """``(trainable, frozen)``: parameters with and without ``requires_grad`` in the module."""
+        return ({n: a for n, a in params.items() if n in self.trainable},
+                {n: a for n, a in params.items() if n not in self.trainable})
+
+    def value_and_grad(self, loss_fn: LossFn) -> Callable[..., tuple[jax.Array, dict]]:
+        """A jitted ``f(params, *batch, **kwargs) -> (loss, grads)``.
+
+        ``loss_fn(module, *batch, **kwargs)`` is torch code returning a scalar, e.g.
+        ``lambda m, x, y: F.cross_entropy(m(x).logits.flatten(0, 1), y.flatten())``. ``grads`` maps
+        each trainable parameter's FQN to its gradient, sharded like the parameter.
+        """
+        trainable, _ = self.split_params(self.params)
+        out_shardings = (NamedSharding(self.mesh, PartitionSpec()), {n: self.sharding(n) for n in trainable})
+        grad_fn = jax.jit(jax.value_and_grad(self.loss(loss_fn)), static_argnames=("static",),
+                          out_shardings=out_shardings)
+
+        def value_and_grad(params: dict, *batch: Any, **kwargs: Any) -> tuple[jax.Array, dict]:
+            arrays, static = self.inputs(batch, kwargs)
+            with shardy():
+                return grad_fn(*self.split_params(params), self.buffers, arrays, static=static)
+        return value_and_grad
+
+    def train_step(self, loss_fn: LossFn, optimizer: Any) -> "TrainStep":
+        """A jitted training step over ``params``; see ``TrainStep``."""
+        from .train import TrainStep
+        return TrainStep(self, loss_fn, optimizer)
+
+    def audit(self, *args: Any, backward: bool = False, **kwargs: Any):
+        """The ``AuditReport`` of the jax-compiled program of ``jm(*args, **kwargs)``."""
+        from .audit import audit_jax
+        return audit_jax(self, args, self._defaults(kwargs), backward)
+
+    def hlo(self, *args: Any, backward: bool = False, **kwargs: Any) -> str:
+        """The per-device HLO JAX compiles for ``jm(*args, **kwargs)`` (what ``audit`` reads)."""
+        from .audit import compiled_hlo
+        return compiled_hlo(self, args, self._defaults(kwargs), backward)
+
+    def to_module(self) -> nn.Module:
+        """Copy ``params`` and ``buffers`` into the torch module's own tensors; return the module.
+
+        Example: ``torch.save(jm.to_module().state_dict(), "model.pt")`` after training on JAX.
+        """
+        state = {**self.params, **self.buffers}
+        for name, t in [*self.module.named_parameters(), *self.module.named_buffers()]:
+            t.data.copy_(to_torch(state[name]).to(t.dtype))
+        return self.module
+
+    def __repr__(self) -> str:
+        mesh = ", ".join(f"{k}={v}" for k, v in self.mesh.shape.items())
+        return f"JaxModel({type(self.module).__name__}, mesh({mesh}), {len(self.params)} parameters)"

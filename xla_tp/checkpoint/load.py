@@ -1,0 +1,191 @@
+"""``load_checkpoint``: a sharded checkpoint into a model on any mesh, checked before anything is touched.
+
+The checkpoint's names and shapes are compared with the model's ``state_dict`` (and the
+optimizer's parameters) first: a checkpoint of another model or shape is refused with every
+mismatching name and shape, and the model and optimizer stay as they were. Each device then reads
+only the pieces of its own shards (torch_xla's ``SPMDLoadPlanner``), whatever mesh and plan wrote
+them: a checkpoint saved on ``fsdp=2, model=4`` loads on ``model=8`` or ``data=4, model=2``.
+Parameters are loaded in place; re-laid ones and optimizer states go through the model's
+``load_state_dict`` and keep their shardings. Safetensors weights (a file or a Hugging Face
+checkpoint directory) load the same way (``safetensors.SafetensorsReader``). Example::
+
+    step = xla_tp.load_checkpoint("ckpt", model, opt)      # the newest complete step under ckpt/
+"""
+from __future__ import annotations
+
+import io
+import logging
+import os
+import time
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch_xla
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
+
+from ..errors import CheckpointError
+from ..guard import restore_sharding
+from .layout import GROUPS, MODEL, STATE, param_names, shard_like, swapped
+from .safetensors import SafetensorsReader, safetensors_files
+from .store import resolve
+
+log = logging.getLogger(__name__)
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim.Optimizer] = None) -> Optional[int]:
+    """Load the checkpoint at ``path`` (a root: its newest complete step; a step directory; or
+    safetensors weights: a file, or a Hugging Face checkpoint directory) into ``model`` (and
+    ``optimizer``), on the model's current mesh and plan. Returns the saved step (None for safetensors).
+    Raises ``CheckpointError`` naming every mismatch before touching anything. Example::
+
+        model = xla_tp.parallelize_xla(build(), "auto", mesh=xla_tp.make_mesh(model=8))
+        xla_tp.load_checkpoint("ckpt", model)
+    """
+    start = time.perf_counter()
+    files = safetensors_files(path)
+    if files is not None:
+        if optimizer is not None:
+            raise CheckpointError(f"{path!r} holds safetensors weights only; load the optimizer from an "
+                                  f"xla_tp checkpoint, or call load_checkpoint without it")
+        step, directory, prefix, reader = None, os.fspath(path), "", SafetensorsReader(files)
+    else:
+        step, directory = resolve(path)
+        prefix, reader = MODEL, dcp.FileSystemReader(directory)
+    meta = reader.read_metadata().state_dict_metadata
+    live = _saved_entries(model.state_dict(keep_vars=True), meta, prefix)
+    _check_model(directory, meta, live, prefix)
+    groups = _read_groups(directory, meta) if optimizer is not None else None
+    owners = _check_optimizer(directory, meta, model, optimizer, groups) if optimizer is not None else {}
+    params = dict(model.named_parameters(remove_duplicate=False))
+    targets: dict[str, Any] = {}
+    for key, value in live.items():
+        is_own = key not in params or value is params[key]
+        targets[prefix + key] = value if is_own else _empty_like_entry(meta[prefix + key], params[key])
+    for key, (param, _) in owners.items():
+        md = meta[key]
+        laid_out = isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(live[param_names(model)[id(param)]].shape)
+        targets[key] = _empty_like_entry(md, param) if laid_out else _placeholder(md)
+    torch_xla.sync(wait=True)  # targets become device data before the planner reads their shards
+    dcp.load(targets, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not dist.is_initialized())
+    relaid = {k: targets[prefix + k] for k, v in live.items() if targets[prefix + k] is not v}
+    if relaid:
+        model.load_state_dict(relaid, strict=False)
+    for p in params.values():
+        restore_sharding(p)
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, groups, owners, targets)
+    torch_xla.sync()
+    log.info("xla_tp: loaded step %s from %s in %.1f s", step, directory, time.perf_counter() - start)
+    return step
+
+
+def _saved_entries(state: dict, meta: dict, prefix: str) -> dict:
+    """The ``state_dict`` entries a checkpoint must hold: a tied tensor whose other name is saved may
+    be left out (Hugging Face checkpoints write ``lm_head.weight`` only once, as the embedding)."""
+    saved_ids = {id(v) for k, v in state.items() if prefix + k in meta}
+    seen: set[int] = set()
+    out = {}
+    for key, value in state.items():
+        if prefix + key in meta or (id(value) not in saved_ids and id(value) not in seen):
+            out[key] = value
+        seen.add(id(value))
+    return out
+
+
+def _check_model(directory: str, meta: dict, live: dict, prefix: str) -> None:
+    saved = {k[len(prefix):]: tuple(m.size) for k, m in meta.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    want = {k: tuple(v.shape) for k, v in live.items()}
+    missing = sorted(set(want) - set(saved))
+    unexpected = sorted(set(saved) - set(want))
+    shapes = [f"{k}: checkpoint {saved[k]} vs model {want[k]}" for k in sorted(set(saved) & set(want))
+              if saved[k] != want[k]]
+    problems = [f"{title} ({len(items)}): {', '.join(items[:8])}{', ...' if len(items) > 8 else ''}"
+                for title, items in (("missing from the checkpoint", missing), ("not in the model", unexpected),
+                                     ("shapes differ", shapes)) if items]
+    if problems:
+        raise CheckpointError(f"checkpoint {directory!r} does not fit this model; nothing was loaded. "
+                              + "; ".join(problems)
+                              + ". Load it into the model (and configuration) that saved it")
+
+
+def _read_groups(directory: str, meta: dict) -> list[dict]:
+    if GROUPS not in meta:
+        raise CheckpointError(f"checkpoint {directory!r} holds no optimizer state; nothing was loaded. "
+                              f"Call load_checkpoint without the optimizer, or load a checkpoint saved with one")
+    holder: dict[str, Any] = {GROUPS: None}
+    dcp.load(holder, storage_reader=dcp.FileSystemReader(directory), planner=SPMDLoadPlanner(),
+             no_dist=not dist.is_initialized())
+    return _unpickled(holder[GROUPS])
+
+
+def _check_optimizer(directory: str, meta: dict, model: nn.Module, optimizer: torch.optim.Optimizer,
+                     groups: list[dict]) -> dict[str, tuple[torch.Tensor, str]]:
+    """Checkpoint key -> (parameter, state key) for every saved optimizer state."""
+    names = param_names(model)
+    current = [[names.get(id(p), "<not a model parameter>") for p in g["params"]] for g in optimizer.param_groups]
+    saved = [g["params"] for g in groups]
+    if current != saved:
+        diff = [f"group {i}: checkpoint {len(s)} parameters vs optimizer {len(c)}"
+                + (f" (first difference: {next(a for a, b in zip(s, c) if a != b)!r})" if len(s) == len(c) else "")
+                for i, (s, c) in enumerate(zip(saved, current)) if s != c]
+        if len(saved) != len(current):
+            diff.insert(0, f"checkpoint has {len(saved)} parameter groups, the optimizer {len(current)}")
+        raise CheckpointError(f"checkpoint {directory!r}: the optimizer's parameters differ from the saved ones; "
+                              f"nothing was loaded. {'; '.join(diff)}. Build the optimizer over the same "
+                              f"parameters, in the same groups, as the one that saved")
+    by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+    owners = {}
+    for key in meta:
+        if key.startswith(STATE):
+            name, _, state_key = key[len(STATE):].rpartition(".")
+            owners[key] = (by_name[name], state_key)
+    return owners
+
+
+def _empty_like_entry(md: TensorStorageMetadata, param: torch.Tensor) -> torch.Tensor:
+    """A device tensor of the checkpoint entry's shape and dtype, sharded like ``param``."""
+    t = torch.empty(tuple(md.size), dtype=md.properties.dtype, device=param.device)
+    return shard_like(t, param)
+
+
+def _placeholder(md: Any) -> Any:
+    if isinstance(md, TensorStorageMetadata):
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    return None
+
+
+def _load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, groups: list[dict],
+                    owners: dict[str, tuple[torch.Tensor, str]], targets: dict[str, Any]) -> None:
+    """Put the loaded states back in each parameter's layout (through the model's own
+    ``load_state_dict``) and hand them to ``optimizer.load_state_dict``."""
+    names = param_names(model)
+    state: dict[int, dict[str, Any]] = {}
+    index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
+    for state_key in sorted({k for _, k in owners.values()}):
+        laid = {key: p for key, (p, k) in owners.items() if k == state_key and _is_laid_out(targets[key], p)}
+        fresh = {id(p): torch.empty(p.shape, dtype=targets[key].dtype, device=p.device) for key, p in laid.items()}
+        with swapped(model, fresh):
+            model.load_state_dict({names[id(p)]: targets[key] for key, p in laid.items()}, strict=False)
+        for key, (p, k) in owners.items():
+            if k == state_key:
+                value = targets[key]
+                if key in laid:
+                    value = fresh[id(p)]
+                    restore_sharding(value, like=p)
+                state.setdefault(index[id(p)], {})[k] = _unpickled(value) if isinstance(value, bytes) else value
+    saved_groups = [{**g, "params": [index[id(p)] for p in cur["params"]]}
+                    for g, cur in zip(groups, optimizer.param_groups)]
+    optimizer.load_state_dict({"state": state, "param_groups": saved_groups})
+
+
+def _is_laid_out(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.device == param.device
+
+
+def _unpickled(blob: bytes) -> Any:
+    return torch.load(io.BytesIO(blob), weights_only=True)

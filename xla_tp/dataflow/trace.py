@@ -1,0 +1,221 @@
+"""``trace``: record one forward of a model on fake tensors, as a ``Graph`` of torch function calls.
+
+Nothing real is computed or allocated: parameters, buffers and inputs are ``FakeTensor``s (shapes
+and dtypes only) swapped in with ``torch.func.functional_call``, so a model on ``meta``, on the CPU
+or already on the XLA device traces the same way and is left exactly as it was. A
+``TorchFunctionMode`` records every call with its module scope. transformers recognises fake
+tensors and skips its data-dependent checks. Without ``example_inputs`` an input is synthesised:
+token ids ``[2, 8]`` for a model whose first parametrised layer is an embedding, else floats
+``[2, 8, width]`` of its first layer's input width. Example:
+
+>>> graph = trace(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)))
+>>> [(n.op, n.module) for n in graph.nodes]
+[('linear', '0'), ('relu', '1'), ('linear', '2')]
+>>> graph.params["0.weight"].consumers[0][0].op, graph.inputs[0].shape
+('linear', (2, 8, 16))
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.func import functional_call
+from torch.overrides import TorchFunctionMode, resolve_name
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ..errors import PlanError
+from .graph import Graph, Node, Value
+
+BATCH, SEQ = 2, 8
+
+
+def op_name(func: Any) -> str:
+    """Short name of a torch function.
+
+    >>> op_name(torch.Tensor.__radd__), op_name(torch.nn.functional.linear), op_name(torch.Tensor.T.__get__)
+    ('radd', 'linear', 'T')
+    """
+    name = resolve_name(func) or getattr(func, "__name__", repr(func))
+    name = name.removesuffix(".__get__").rsplit(".", 1)[-1]
+    if name.startswith("__") and name.endswith("__"):
+        name = name[2:-2]
+    return name
+
+
+class _Recorder(TorchFunctionMode):
+    """Records each torch function call that touches or makes a tensor."""
+
+    def __init__(self, graph: Graph, known: dict[int, Value], scope: list[str]):
+        super().__init__()
+        self.graph, self.known, self.scope = graph, known, scope
+        self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so their ids stay unique
+
+    def value_of(self, t: torch.Tensor) -> Value:
+        v = self.known.get(id(t))
+        if v is None:  # a tensor made outside the trace (a plain tensor attribute, a constant)
+            v = self.graph.new_value(t, "const")
+            self.known[id(t)] = v
+            self.keep.append(t)
+        return v
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = op_name(func)
+        flat_in, _ = tree_flatten((args, kwargs))
+        tensors_in = [t for t in flat_in if isinstance(t, torch.Tensor)]
+        flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if not flat_out and name != "setitem":
+            return out
+        in_values = tuple(self.value_of(t) for t in tensors_in)
+        swap = {id(t): v for t, v in zip(tensors_in, in_values)}
+        node_args, node_kwargs = tree_map(lambda a: swap.get(id(a), a) if isinstance(a, torch.Tensor) else a,
+                                          (tuple(args), dict(kwargs)))
+        node = Node(len(self.graph.nodes), name, func, node_args, node_kwargs, in_values, (), self.scope[-1])
+        for pos, v in enumerate(in_values):
+            v.consumers.append((node, pos))
+        dynamic = any(v.dynamic for v in in_values) and not _shape_only(name)
+        if name == "setitem" and in_values:  # in place on args[0]: a new version of it
+            flat_out = [args[0]]
+        outs = []
+        for t in flat_out:
+            v = self.graph.new_value(t, "act" if dynamic else "const", producer=node, dynamic=dynamic)
+            self.known[id(t)] = v
+            self.keep.append(t)
+            outs.append(v)
+        node.outputs = tuple(outs)
+        self.graph.nodes.append(node)
+        return out
+
+
+def _shape_only(name: str) -> bool:
+    """Ops whose output depends on an input's shape only (``new_ones``, ``zeros_like``, ...)."""
+    return name.startswith("new_") or name in ("zeros_like", "ones_like", "empty_like", "full_like",
+                                               "rand_like", "randn_like", "randint_like")
+
+
+def synthesize_inputs(model: nn.Module) -> tuple:
+    """The example input ``plan_for`` uses when none is given (see the module docstring).
+
+    >>> synthesize_inputs(nn.Linear(16, 4))[0].shape, synthesize_inputs(nn.Embedding(10, 4))[0].dtype
+    (torch.Size([2, 8, 16]), torch.int64)
+    """
+    for mod in model.modules():
+        if isinstance(mod, nn.Embedding):
+            return (torch.zeros(BATCH, SEQ, dtype=torch.long),)
+        width = _input_width(mod)
+        if width:
+            x = torch.zeros(BATCH, SEQ, width)
+            return (x, x, x) if isinstance(model, nn.MultiheadAttention) else (x,)
+    raise PlanError(f"{type(model).__name__} has no Embedding, Linear or attention layer to guess an input "
+                    f"from; pass example_inputs=(tensor, ...)")
+
+
+def _input_width(mod: nn.Module) -> int:
+    if isinstance(mod, nn.Linear):
+        return mod.in_features
+    if isinstance(mod, nn.MultiheadAttention):
+        return mod.embed_dim
+    w = getattr(mod, "weight", None)  # HF Conv1D: weight [in, out]
+    if isinstance(w, torch.Tensor) and w.dim() == 2 and getattr(mod, "nf", None) == w.shape[1]:
+        return int(w.shape[0])
+    return 0
+
+
+def default_kwargs(model: nn.Module) -> dict[str, Any]:
+    """``use_cache=False`` for models whose forward takes it (no KV cache in a planning trace)."""
+    try:
+        params = inspect.signature(type(model).forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    takes = "use_cache" in params or hasattr(getattr(model, "config", None), "use_cache")
+    return {"use_cache": False} if takes else {}
+
+
+def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
+          example_kwargs: Optional[Mapping[str, Any]] = None) -> Graph:
+    """Record one forward of ``model`` on fake tensors; raise ``PlanError`` if it cannot run."""
+    if example_inputs is None:
+        example_inputs = synthesize_inputs(model)
+        example_kwargs = {**default_kwargs(model), **(example_kwargs or {})}
+    graph, known, scope = Graph(), {}, [""]
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    fqns = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+    with fake:
+        state, names = _fake_state(model)
+        inputs = tree_map(lambda a: _fake_like(a) if isinstance(a, torch.Tensor) else a,
+                          (tuple(example_inputs), dict(example_kwargs or {})))
+    for fqn_list, (kind, t) in zip(names, state.values()):
+        v = graph.new_value(t, kind, fqn_list[0])
+        known[id(t)] = v
+        if kind == "param":
+            graph.params.update({n: v for n in fqn_list})
+    for pos, t in enumerate(a for a in tree_flatten(inputs)[0] if isinstance(a, torch.Tensor)):
+        v = graph.new_value(t, "input", f"input {pos}", dynamic=True)
+        known[id(t)] = v
+        graph.inputs.append(v)
+    handles = _scope_hooks(model, fqns, scope)
+    recorder = _Recorder(graph, known, scope)
+    try:
+        with fake, recorder:
+            out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
+    except PlanError:
+        raise
+    except Exception as e:  # the model's own error, surfaced with what to do
+        raise PlanError(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
+                        f"layout: {type(e).__name__}: {e}. Pass example_inputs=(...) (and example_kwargs=) "
+                        f"that the model accepts, or pass a plan instead of 'auto'") from e
+    finally:
+        for h in handles:
+            h.remove()
+    graph.outputs = [recorder.value_of(t) for t in tree_flatten(_plain(out))[0] if isinstance(t, torch.Tensor)]
+    return graph
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
+
+
+def _fake_state(model: nn.Module) -> tuple[dict[str, tuple[str, torch.Tensor]], list[list[str]]]:
+    """One fake tensor per distinct parameter/buffer (tied ones share it), keyed by its first FQN."""
+    state: dict[str, tuple[str, torch.Tensor]] = {}
+    names: list[list[str]] = []
+    seen: dict[int, int] = {}
+    for kind, items in (("param", model.named_parameters(remove_duplicate=False)),
+                        ("buffer", model.named_buffers(remove_duplicate=False))):
+        for name, t in items:
+            if id(t) in seen:
+                names[seen[id(t)]].append(name)
+                continue
+            seen[id(t)] = len(names)
+            names.append([name])
+            state[name] = (kind, _fake_like(t))
+    return state, names
+
+
+def _scope_hooks(model: nn.Module, fqns: dict[int, str], scope: list[str]) -> list:
+    def enter(mod: nn.Module, args: Any) -> None:
+        scope.append(fqns.get(id(mod), scope[-1]))
+
+    def leave(mod: nn.Module, args: Any, out: Any) -> None:
+        scope.pop()
+
+    handles = []
+    for mod in model.modules():
+        handles.append(mod.register_forward_pre_hook(enter, prepend=True))
+        handles.append(mod.register_forward_hook(leave, always_call=True))
+    return handles
+
+
+def _plain(out: Any) -> Any:
+    """Model outputs as plain containers (``ModelOutput`` and dataclasses become tuples)."""
+    if isinstance(out, Mapping):
+        return tuple(_plain(v) for v in out.values())
+    if isinstance(out, (tuple, list)):
+        return tuple(_plain(v) for v in out)
+    if hasattr(out, "__dataclass_fields__"):
+        return tuple(_plain(getattr(out, f)) for f in out.__dataclass_fields__)
+    return out

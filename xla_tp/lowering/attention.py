@@ -1,0 +1,159 @@
+"""Attention written so the compiler sees the head dimension: SDPA, 4-D matmuls and torch's MHA.
+
+XLA lowers a batched 4-D ``matmul`` (and so SDPA's math and HF's eager attention) through a
+reshape that merges batch and heads, which hides a head sharding from GSPMD: it then all-gathers
+q, k and v and runs attention replicated. ``torch.einsum`` keeps every batch dimension of the
+contraction (``dot_general`` batch dims), so the heads stay split. Numerics are those of the
+original ops: SDPA's scale, causal flag (top-left aligned), boolean (True = attend) or additive
+mask, ``enable_gqa``, dropout; softmax in float32. On TPU, ``use_flash_attention(True)`` routes
+SDPA calls the Pallas kernel can take to torch_xla's ``flash_attention`` with the partition spec
+of the mesh. Example:
+
+>>> q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
+>>> want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+>>> (sdpa(q, k, v, is_causal=True, enable_gqa=True) - want).abs().max() < 1e-6
+tensor(True)
+>>> torch.allclose(matmul_4d(q, q.transpose(-1, -2)), torch.matmul(q, q.transpose(-1, -2)), atol=1e-6)
+True
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .packed import packed_blocks
+
+_FLASH = {"enabled": False}
+
+
+def use_flash_attention(enabled: bool = True) -> None:
+    """Route eligible SDPA calls to torch_xla's Pallas flash attention (TPU only; einsum elsewhere)."""
+    _FLASH["enabled"] = bool(enabled)
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """``[..., KV, S, D] -> [..., heads, S, D]`` with each key/value head repeated for its query group."""
+    kv = x.shape[-3]
+    return x if kv == heads else x.repeat_interleave(heads // kv, dim=-3)
+
+
+def flash_eligible(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float) -> bool:
+    """The kernel takes 4-D q/k/v on a TPU, no dropout, and an additive mask at most."""
+    if not _FLASH["enabled"] or dropout_p or q.dim() != 4 or k.dim() != 4:
+        return False
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        return False
+    import torch_xla.runtime as xr
+    return xr.device_type() == "TPU"
+
+
+def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
+               is_causal: bool, scale: float) -> dict[str, Any]:
+    """The keyword arguments xla_tp passes to ``torch_xla...custom_kernel.flash_attention``: q/k/v with
+    the key/value heads repeated, the mask as ``ab`` ([B, H, L, S]) and the global mesh's partition spec
+    (batch over data/fsdp, heads over the model axis)."""
+    import torch_xla.distributed.spmd as xs
+    heads = q.shape[1]
+    mesh = xs.get_global_mesh()
+    names = tuple(mesh.axis_names) if mesh is not None else ()
+    batch = tuple(a for a in ("data", "fsdp") if a in names and dict(zip(names, mesh.mesh_shape))[a] > 1)
+    spec = (batch or None if len(batch) != 1 else batch[0], "model" if "model" in names else None, None, None)
+    ab = None if attn_mask is None else attn_mask.to(q.dtype).expand(q.shape[0], heads, q.shape[2], k.shape[2])
+    return dict(q=q, k=_repeat_heads(k, heads), v=_repeat_heads(v, heads), causal=is_causal, sm_scale=scale,
+                ab=ab, partition_spec=spec if mesh is not None else None, mesh=mesh)
+
+
+def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
+         dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
+         enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as two einsums (or the flash kernel on TPU, see the module)."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    if flash_eligible(query, key, attn_mask, dropout_p):
+        from torch_xla.experimental.custom_kernel import flash_attention
+        return flash_attention(**flash_call(query, key, value, attn_mask, is_causal, scale))
+    return einsum_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool = False) -> torch.Tensor:
+    """SDPA's math with both contractions as einsums (batch and head dims kept)."""
+    if enable_gqa:
+        key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
+    scores = torch.einsum("...qd,...kd->...qk", query, key).float() * scale
+    if is_causal:
+        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if attn_mask is not None:
+        scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
+                  else scores + attn_mask.float())
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.einsum("...qk,...kd->...qd", probs, value)
+
+
+def matmul_4d(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.matmul`` of two tensors of rank >= 4, batch dims kept visible."""
+    return torch.einsum("...nk,...km->...nm", a, b)
+
+
+def _float_mask(mask: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """torch's MHA convention: boolean True = not allowed (-inf); a float mask is added as it is."""
+    if mask is None or mask.is_floating_point():
+        return mask if mask is None else mask.to(dtype)
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(mask, float("-inf"))
+
+
+def mha_supported(kwargs: dict) -> bool:
+    """What ``mha`` implements: packed or separate same-size q/k/v, no bias_k/bias_v, zero-attention or static k/v."""
+    return (kwargs.get("bias_k") is None and not kwargs.get("add_zero_attn") and kwargs.get("static_k") is None
+            and kwargs.get("static_v") is None and not kwargs.get("use_separate_proj_weight"))
+
+
+MHA_ARGS = ("query", "key", "value", "embed_dim_to_check", "num_heads", "in_proj_weight", "in_proj_bias",
+            "bias_k", "bias_v", "add_zero_attn", "dropout_p", "out_proj_weight", "out_proj_bias", "training",
+            "key_padding_mask", "need_weights", "attn_mask", "use_separate_proj_weight", "q_proj_weight",
+            "k_proj_weight", "v_proj_weight", "static_k", "static_v", "average_attn_weights", "is_causal")
+
+
+def mha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_heads: int, in_proj_weight: torch.Tensor,
+        in_proj_bias: Optional[torch.Tensor], dropout_p: float, out_proj_weight: torch.Tensor,
+        out_proj_bias: Optional[torch.Tensor], training: bool = True, key_padding_mask: Optional[torch.Tensor] = None,
+        need_weights: bool = True, attn_mask: Optional[torch.Tensor] = None, average_attn_weights: bool = True,
+        is_causal: bool = False, **unused: Any) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``F.multi_head_attention_forward`` (sequence-first ``[L, B, E]`` or unbatched ``[L, E]``) as einsums
+    over ``[B, H, L, D]``; a packed ``in_proj_weight`` re-laid by xla_tp is read block by block."""
+    if is_causal and attn_mask is None:
+        raise RuntimeError("Need attn_mask if specifying the is_causal hint. You may use the Transformer "
+                           "module method `generate_square_subsequent_mask` to create this mask.")
+    batched = query.dim() == 3
+    if not batched:
+        query, key, value = query[:, None], key[:, None], value[:, None]
+        key_padding_mask = None if key_padding_mask is None else key_padding_mask[None]
+    length, batch, embed = query.shape
+    h = num_heads
+    d = embed // h
+    wq, wk, wv = (w.view(h, d, embed) for w in packed_blocks(in_proj_weight, 3))
+    bq, bk, bv = (0.0, 0.0, 0.0) if in_proj_bias is None else (b.view(h, 1, d) for b in packed_blocks(in_proj_bias, 3))
+    q = torch.einsum("lbe,hde->bhld", query, wq) + bq
+    k = torch.einsum("sbe,hde->bhsd", key, wk) + bk
+    v = torch.einsum("sbe,hde->bhsd", value, wv) + bv
+    scores = torch.einsum("bhld,bhsd->bhls", q, k) * d ** -0.5
+    mask = _float_mask(attn_mask, scores.dtype)
+    if mask is not None:
+        scores = scores + (mask.view(batch, h, length, -1) if mask.dim() == 3 else mask)
+    pad = _float_mask(key_padding_mask, scores.dtype)
+    if pad is not None:
+        scores = scores + pad.view(batch, 1, 1, -1)
+    probs = F.dropout(torch.softmax(scores, dim=-1), p=dropout_p, training=training)
+    out = torch.einsum("bhls,bhsd->lbhd", probs, v)
+    out = torch.einsum("lbhd,fhd->lbf", out, out_proj_weight.view(embed, h, d))
+    if out_proj_bias is not None:
+        out = out + out_proj_bias
+    weights = (probs.mean(dim=1) if average_attn_weights else probs) if need_weights else None
+    if not batched:
+        return out[:, 0], None if weights is None else weights[0]
+    return out, weights

@@ -1,0 +1,136 @@
+"""Packed projections (q/k/v or gate/up in one weight) laid out so each device holds its heads.
+
+A packed weight split evenly over ``tp`` devices gives device 0 the first rows of q only. Re-laid
+(``relayout``), its rows are permuted *device-major*: device ``d``'s contiguous shard holds its slice
+of every block (``[q_d | k_d | v_d]``). The shape is unchanged, so the layout validates like any
+other; ``state_dict()``/``load_state_dict()`` see the original order (hooks on the owning module).
+During the forward, xla_tp's lowering mode tags the projection's output (``tag``) and hands the
+model's own slicing (``qkv[..., :E]``, ``split``, ``chunk``) the block it asked for, read from the
+device-major layout without moving data (``block``); any other use gets the original order back
+(``unpermute``). Example (q, k, v blocks of 4 rows over 2 devices):
+
+>>> lin = nn.Linear(1, 12, bias=False)
+>>> original = lin.weight.detach().clone()
+>>> relayout(lin, "weight", Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2))
+>>> lin.weight[:, 0].tolist() == original[[0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11], 0].tolist()  # [q0 k0 v0 | q1 k1 v1]
+True
+>>> torch.equal(lin.state_dict()["weight"], original)
+True
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+ATTR = "_xla_tp_packing"  # on a re-laid parameter: its Packing (what the lowering mode reads)
+_OWNED = "_xla_tp_packings"  # on the owning module: parameter name -> Packing (what its state-dict hooks
+# read, so a tensor swapped in for the parameter, an optimizer state, is re-laid the same way)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Blocks ``(start, size)`` along weight dim ``dim``, laid out device-major for ``tp`` devices."""
+
+    dim: int
+    blocks: tuple[tuple[int, int], ...]
+    tp: int
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.blocks)
+
+    def order(self) -> torch.Tensor:
+        """Original index of each re-laid position.
+
+        >>> Packing(0, ((0, 4), (4, 4)), 2).order().tolist()
+        [0, 1, 4, 5, 2, 3, 6, 7]
+        """
+        idx = [start + d * (n // self.tp) + j for d in range(self.tp) for start, n in self.blocks
+               for j in range(n // self.tp)]
+        return torch.tensor(idx, dtype=torch.long)
+
+    def inverse(self) -> torch.Tensor:
+        order = self.order()
+        return torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
+
+    def for_bias(self) -> "Packing":
+        return Packing(0, self.blocks, self.tp)
+
+
+def permute(t: torch.Tensor, packing: Packing) -> torch.Tensor:
+    return t.index_select(packing.dim, packing.order().to(t.device))
+
+
+def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
+    return t.index_select(packing.dim, packing.inverse().to(t.device))
+
+
+def relayout(owner: nn.Module, name: str, packing: Packing) -> None:
+    """Permute ``owner.<name>`` device-major in place (same Parameter object); idempotent."""
+    p = owner._parameters[name]
+    owned: dict[str, Packing] = owner.__dict__.get(_OWNED, {})
+    old = owned.get(name)
+    if old == packing:
+        return
+    with torch.no_grad():
+        data = p.data if old is None else restore(p.data, old)
+        p.data = data if p.is_meta else permute(data, packing)
+    setattr(p, ATTR, packing)
+    if not owned:
+        owner.register_state_dict_post_hook(_save_original)
+        owner.register_load_state_dict_pre_hook(_load_relaid)
+    owner.__dict__[_OWNED] = {**owned, name: packing}
+
+
+def _save_original(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = restore(state_dict[prefix + name], packing)
+
+
+def _load_relaid(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+        key, p = prefix + name, owner._parameters.get(name)
+        if key in state_dict and p is not None and state_dict[key].shape == p.shape:
+            state_dict[key] = permute(state_dict[key], packing)
+
+
+def packing_of(t: Any) -> Optional[Packing]:
+    return getattr(t, ATTR, None) if isinstance(t, torch.Tensor) else None
+
+
+def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:
+    """Block ``index`` of a re-laid output ``y`` (features last): each device reads its own part."""
+    tp = packing.tp
+    offset = sum(n for _, n in packing.blocks[:index]) // tp
+    n = packing.blocks[index][1] // tp
+    return y.unflatten(-1, (tp, packing.size // tp))[..., offset:offset + n].flatten(-2)
+
+
+def unpermute(y: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """A re-laid output back in the original feature order (moves data: only for uses xla_tp cannot see)."""
+    return torch.cat([block(y, packing, i) for i in range(len(packing.blocks))], dim=-1)
+
+
+def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> Optional[list[torch.Tensor]]:
+    """The slices ``[start, stop)`` of the original features, if each is a run of whole blocks."""
+    starts = {start: i for i, (start, _) in enumerate(packing.blocks)}
+    ends = {start + n: i for i, (start, n) in enumerate(packing.blocks)}
+    out = []
+    for start, stop in ranges:
+        if start not in starts or stop not in ends:
+            return None
+        parts = [block(y, packing, i) for i in range(starts[start], ends[stop] + 1)]
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+    return out
+
+
+def packed_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """A packed weight's ``n`` equal blocks along dim 0 (re-laid or not), each ``[size / n, ...]``."""
+    packing = packing_of(t)
+    if packing is None:
+        return list(t.chunk(n, 0))
+    return [block(t.movedim(0, -1), packing, i).movedim(-1, 0) for i in range(n)]

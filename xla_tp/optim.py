@@ -1,0 +1,84 @@
+"""Optimizers that cannot run on XLA as they are: adapted or refused at their first step.
+
+torchao's low-precision AdamW (``torchao.optim._AdamW(..., bf16_stochastic_round=True)``) compiles
+its per-parameter update with ``torch.compile`` for inductor, which has no XLA backend
+(``InductorError: KeyError: 'xla'``). On XLA the update is traced lazily anyway and compiled
+whole by XLA with the rest of the step, so xla_tp runs torchao's step under
+``torch.compiler.set_stance("force_eager")`` when its parameters are on XLA (the stance is
+restored right after the step); the step guard then keeps every state sharded like its parameter.
+Its fp32 -> bf16 stochastic rounding reinterprets bits with ``Tensor.view(dtype)``, which torch_xla
+2.9 does not trace: every call executes the pending graph (two device round trips per parameter per
+step). For XLA tensors xla_tp performs the same rounding with XLA's ``BitcastConvert`` as a lazy op,
+so the whole optimizer step stays one compiled program.
+torchao's 8-bit, 4-bit and FP8 optimizers keep their states in tensor subclasses, which
+torch_xla's functionalization cannot hold: they are refused with ``OptimizerError`` before the
+first step touches anything. The step pre-hook of ``xla_tp.guard`` calls ``adapt_optimizer``.
+Example::
+
+    opt = torchao.optim._AdamW(model.parameters(), bf16_stochastic_round=True)
+    opt.step()      # runs; exp_avg / exp_avg_sq sharded like each parameter
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+import torch
+import torch_xla.core.xla_builder as xb
+import torch_xla.core.xla_op_registry as xor
+
+from .errors import OptimizerError
+
+_STANCE = "_xla_tp_stance"
+
+
+def before_step(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer that cannot run on XLA parameters (``OptimizerError``, nothing changed);
+    put torchao's compiled update into eager mode for the step. ``after_step`` undoes the latter."""
+    after_step(optimizer)  # a step that raised left its stance behind
+    adam = sys.modules.get("torchao.optim.adam")
+    if adam is None or not isinstance(optimizer, adam._AdamBase):
+        return
+    if not any(p.device.type == "xla" for g in optimizer.param_groups for p in g["params"]):
+        return
+    if type(optimizer)._subclass_zeros is not adam._AdamBase._subclass_zeros:
+        raise OptimizerError(
+            f"{type(optimizer).__name__} keeps its states in torchao's quantized tensor subclasses, "
+            f"which torch_xla 2.9 cannot functionalize (an INTERNAL ASSERT in the first step). Use "
+            f"torchao.optim._AdamW(params, bf16_stochastic_round=True) with bf16 parameters, or "
+            f"torch.optim.AdamW: xla_tp shards their states like the parameters, which divides "
+            f"optimizer memory by the mesh size")
+    if not isinstance(adam._fp32_to_bf16_sr, _LazyOnXla):
+        adam._fp32_to_bf16_sr = _LazyOnXla(adam._fp32_to_bf16_sr)
+    setattr(optimizer, _STANCE, torch.compiler.set_stance("force_eager"))
+
+
+def after_step(optimizer: torch.optim.Optimizer) -> None:
+    """Restore the compiler stance ``before_step`` set, if any."""
+    stance = optimizer.__dict__.pop(_STANCE, None)
+    if stance is not None:
+        stance.__exit__(None, None, None)
+
+
+_F32_AS_I32 = xor.register("xla_tp_f32_as_i32", lambda x: x.bitcast(xb.Type.S32))
+_I32_AS_F32 = xor.register("xla_tp_i32_as_f32", lambda x: x.bitcast(xb.Type.F32))
+
+
+def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, rounding away from zero with probability (dropped low 16 bits) / 2**16, traced
+    lazily on XLA. Example: ``stochastic_round_to_bf16(torch.full((4,), 1.00001, device=xla))``."""
+    bits = _F32_AS_I32(x.float())
+    dropped = bits & 0xFFFF
+    toward_zero = bits & -0x10000
+    noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
+    return _I32_AS_F32(torch.where(noise < dropped, toward_zero + 0x10000, toward_zero)).bfloat16()
+
+
+class _LazyOnXla:
+    """torchao's rounding function for other devices, ``stochastic_round_to_bf16`` for XLA tensors."""
+
+    def __init__(self, original: Callable[[torch.Tensor], torch.Tensor]):
+        self.original = original
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return stochastic_round_to_bf16(x) if x.device.type == "xla" else self.original(x)
