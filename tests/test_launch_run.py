@@ -12,7 +12,7 @@ import torch
 
 from xla_tp import cli
 from xla_tp.launch import LaunchError, load_recipe, load_topology
-from xla_tp.launch.checkpoints import refuse_unavailable
+from xla_tp.launch.checkpoints import Checkpoints
 from xla_tp.launch.commands import worker_commands
 from xla_tp.launch.data import IGNORE, Batches
 from xla_tp.launch.progress import Reporter
@@ -53,7 +53,7 @@ def test_tiny_recipe_trains_logs_jsonl_and_stops_cleanly_on_ctrl_c(tmp_path):
     assert steps[4]["compiles"] == steps[2]["compiles"], "training steps recompiled after step 6"
     assert records[-1]["event"] == "stopped" and records[-1]["step"] >= 12
     assert (tmp_path / "recipe.yaml").exists()
-    assert "memory per chip (estimate)" in out and "plan summary (hf_decoder" in out
+    assert "memory per chip (estimate)" in out and "plan summary (auto" in out
     assert "communication bytes/device" in out                          # the compiled audit ran
     assert "step      3/100000  loss" in out and "(includes compiling the step)" in out
     assert "stopped after step" in out and "Traceback" not in err
@@ -128,15 +128,36 @@ def test_reporter_draws_a_bar_only_on_a_terminal(tmp_path):
     assert "2/4" in stream.getvalue() and "MFU 41.0%" in stream.getvalue()
 
 
-def test_resume_and_checkpoints_say_they_are_not_available_yet():
+def test_a_run_saves_checkpoints_and_resumes_exactly_where_it_was(tmp_path):
+    """Checkpoints every 3 steps; the step-9 one removed, ``--resume`` continues from step 6 with the same
+    batches, optimizer state and learning rate: steps 7-9 repeat the first run's losses."""
+    ckpt = tmp_path / "ckpt"
+    common = ["tiny-llama-cpu", "--no-audit", "steps=9", "log_interval=1", f"checkpoint.dir={ckpt}",
+              "checkpoint.interval=3"]
+    first = subprocess.run([*LAUNCH, *common, "--run-dir", str(tmp_path / "a")], cwd=ROOT, env=user_env(),
+                           capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    saved = sorted(p.name for p in ckpt.iterdir())
+    assert saved == ["step_00000003", "step_00000006", "step_00000009"], saved
+    import shutil
+    shutil.rmtree(ckpt / "step_00000009")
+    second = subprocess.run([*LAUNCH, *common, "--resume", "--run-dir", str(tmp_path / "b")], cwd=ROOT,
+                            env=user_env(), capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
+    assert "resumed from step 6" in second.stdout
+    losses = {r["step"]: r["loss"] for r in _records(tmp_path / "a" / "metrics.jsonl") if "loss" in r}
+    resumed = {r["step"]: r["loss"] for r in _records(tmp_path / "b" / "metrics.jsonl") if "loss" in r}
+    assert sorted(resumed) == [7, 8, 9]
+    assert all(abs(resumed[s] - losses[s]) < 1e-5 for s in resumed), (resumed, losses)
+
+
+def test_resume_needs_a_checkpoint_directory_that_holds_one(tmp_path):
+    with pytest.raises(LaunchError, match="--resume needs checkpoint.dir"):
+        Checkpoints(load_recipe("tiny-llama-cpu"), resume=True)
     recipe = load_recipe("tiny-llama-cpu")
-    refuse_unavailable(recipe, resume=False)      # nothing asked: nothing refused
-    with pytest.raises(LaunchError, match=r"--resume \(start without it\): checkpoints are not available in this "
-                                          r"version of xla_tp \(it has no xla_tp.save_checkpoint / "
-                                          r"xla_tp.load_checkpoint yet\)"):
-        refuse_unavailable(recipe, resume=True)
-    with pytest.raises(LaunchError, match=r"checkpoint.interval=500 \(set checkpoint.interval=0"):
-        refuse_unavailable(load_recipe("llama3-8b"), resume=False)
+    recipe.checkpoint.dir = str(tmp_path / "none")
+    with pytest.raises(LaunchError, match="holds no checkpoint"):
+        Checkpoints(recipe, resume=True).resume(None, None, None)
 
 
 def test_byte_batches_are_shifted_and_deterministic():

@@ -23,7 +23,7 @@ def test_quickstart_notebook_executes():
                      for cell in nb.cells if cell.cell_type == "code" for o in cell.outputs)
     text = re.sub(r"\x1b\[[0-9;]*m", "", text)                # rich's styling
     assert "8 CPU devices, mesh {'data': 2, 'fsdp': 1, 'model': 4}" in text
-    assert "family: hf_decoder" in text                       # the plan
+    assert "column-parallel" in text and "replicated:" in text   # the plan, with its reasons
     assert "communication bytes/device" in text               # the audit table
     assert "CPU [0, 4]" in text                               # the sharding picture
     assert "step  8  loss" in text                            # training ran (the cell asserts the loss fell)

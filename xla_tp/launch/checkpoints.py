@@ -1,41 +1,53 @@
-"""Checkpoints in a launched run, and ``--resume``: not available in this version, and said so.
+"""Checkpoints in a launched run: every ``checkpoint.interval`` steps, on a stop, and ``--resume``.
 
-Saving every ``checkpoint.interval`` steps and resuming from the latest complete checkpoint use
-``xla_tp.save_checkpoint(path, model, optimizer, step=...)`` and ``xla_tp.load_checkpoint(path,
-model, optimizer)`` (sharded checkpoints). This version of xla_tp does not have them yet, so a recipe
-with ``checkpoint.interval > 0`` or a ``--resume`` is refused before anything is built, with a message
-that says why and what to do. The run is already shaped for them: batches depend only on the seed and
-the step, the learning-rate schedule on the step, and the training loop starts from ``start_step``.
-Example::
+Saves go through ``xla_tp.save_checkpoint`` (sharded, atomic: a save killed half-way never looks
+like a checkpoint, the newest ``checkpoint.keep`` are kept). ``--resume`` loads the newest complete
+checkpoint under ``checkpoint.dir`` onto this run's mesh (any mesh: checkpoints reshard) and returns
+its step; batches depend only on the seed and the step, and the learning-rate schedule is advanced to
+it, so a resumed run continues where the saved one was. Example::
 
-    refuse_unavailable(recipe, resume=args.resume)   # LaunchError while the API is missing
+    saver = Checkpoints(recipe)
+    start = saver.resume(model, optimizer, schedule) if resume else 0
+    saver.after_step(model, optimizer, step, stopping=False)
 """
 from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from torch import nn
 
 import xla_tp
 
 from .recipe import Recipe
 from .schema import LaunchError
 
-API = ("save_checkpoint", "load_checkpoint")
 
+class Checkpoints:
+    """Where and when a run saves, and how it resumes (see the module docstring)."""
 
-def missing_api() -> list[str]:
-    """The checkpoint functions ``xla_tp`` lacks (all of them in this version)."""
-    return [name for name in API if not hasattr(xla_tp, name)]
+    def __init__(self, recipe: Recipe, resume: bool):
+        spec = recipe.checkpoint
+        if resume and not spec.dir:
+            raise LaunchError("--resume needs checkpoint.dir: the directory the earlier run saved into")
+        self.dir, self.interval, self.keep = spec.dir, spec.interval, spec.keep
 
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any) -> int:
+        """Load the newest complete checkpoint; the step it was saved at."""
+        if not os.path.isdir(self.dir):
+            raise LaunchError(f"--resume: {self.dir!r} holds no checkpoint (start without --resume)")
+        try:
+            step = xla_tp.load_checkpoint(self.dir, model, optimizer)
+        except xla_tp.CheckpointError as error:
+            raise LaunchError(f"--resume from {self.dir!r}: {error}") from None
+        for _ in range(step or 0):
+            schedule.step()
+        return step or 0
 
-def refuse_unavailable(recipe: Recipe, resume: bool) -> None:
-    """LaunchError when the run asks for checkpoints or a resume that this xla_tp cannot do."""
-    missing = missing_api()
-    if not missing:
-        return
-    wants = []
-    if recipe.checkpoint.interval:
-        wants.append(f"checkpoint.interval={recipe.checkpoint.interval} (set checkpoint.interval=0 to run "
-                     f"without checkpoints)")
-    if resume:
-        wants.append("--resume (start without it)")
-    if wants:
-        raise LaunchError(f"{' and '.join(wants)}: checkpoints are not available in this version of xla_tp "
-                          f"(it has no {' / '.join('xla_tp.' + m for m in missing)} yet)")
+    def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, stopping: bool) -> bool:
+        """Save at every ``interval``-th step, and when the run stops early; True if it saved."""
+        if not self.interval or not (step % self.interval == 0 or stopping):
+            return False
+        xla_tp.save_checkpoint(self.dir, model, optimizer, step=step, keep=self.keep)
+        return True

@@ -49,7 +49,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--print-commands", action="store_true", help="print the command of every TPU VM worker")
     p.add_argument("--check", action="store_true", help="compare one step with the unsharded CPU model first")
     p.add_argument("--no-audit", action="store_true", help="skip the compiled-program audit before training")
-    p.add_argument("--resume", action="store_true", help="resume from the latest complete checkpoint (not available in this version)")
+    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in checkpoint.dir")
     p.add_argument("--run-dir", type=Path, help="where metrics.jsonl goes (default runs/RECIPE-TIME)")
     p.add_argument("--tpu-name", default='"$TPU_NAME"', help="TPU name for --print-commands")
     p.add_argument("--zone", default='"$ZONE"', help="zone for --print-commands")

@@ -29,10 +29,10 @@ PlanInput = Union[str, dict[str, Any]]
 
 @dataclass
 class PlannedSpecs:
-    """Per-parameter specs of a plan on one mesh, with the planner's family and replicated reasons."""
+    """Per-parameter specs of a plan on one mesh, where the plan came from, and replicated reasons."""
 
     specs: dict[str, Spec]
-    family: str
+    source: str
     replicated: dict[str, str] = field(default_factory=dict)
 
 
@@ -65,4 +65,5 @@ def plan_specs(model: nn.Module, plan: PlanInput, mesh: Any) -> PlannedSpecs:
         plan = xla_tp.hf_plan(model)
     axes = {str(n): int(s) for n, s in zip(mesh.axis_names, mesh.mesh_shape)}
     layout = build_layout(model, plan, axes, "model", strict=True)
-    return PlannedSpecs(layout.params, getattr(plan, "family", "user plan"), dict(getattr(plan, "replicated", {})))
+    source = "auto: roles from the model's dataflow" if hasattr(plan, "roles") else "user plan"
+    return PlannedSpecs(layout.params, source, dict(getattr(plan, "replicated", {})))

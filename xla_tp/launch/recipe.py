@@ -67,6 +67,7 @@ class DataSpec:
 class CheckpointSpec:
     dir: Optional[str] = None
     interval: int = 0                     # steps between checkpoints; 0: none
+    keep: int = 3                         # the newest complete checkpoints kept
 
 
 @dataclass

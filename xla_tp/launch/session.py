@@ -25,7 +25,7 @@ import xla_tp
 
 from ..mesh import AXIS_ORDER
 from .check import compare_one_step
-from .checkpoints import refuse_unavailable
+from .checkpoints import Checkpoints
 from .data import Batches
 from .fit import BYTES, FitReport, FitSettings, estimate, human, suggest
 from .model import ModelShape, build_model, hf_config, model_shape
@@ -69,7 +69,7 @@ class Session:
                  f"{_axes(self.axes)}, process {self.process_index} of {xr.process_count()}")
         self.say(f"model: {type(meta).__name__} from {type(self.config).__name__}, {n_params / 1e6:,.1f} M "
                  f"parameters on meta, {r.precision}; plan {r.plan if isinstance(r.plan, str) else 'inline'} "
-                 f"({planned.family}); global batch {r.batch} x {r.seq_len} tokens\n")
+                 f"({planned.source}); global batch {r.batch} x {r.seq_len} tokens\n")
         settings = FitSettings(r.precision, r.optimizer.name, r.optimizer.momentum, r.batch, r.seq_len,
                                r.activation_checkpointing)
         fit = estimate(meta, planned.specs, self.mesh, self.shape, settings, t)
@@ -91,7 +91,7 @@ class Session:
     def train(self, run_dir: Optional[Path], check: bool, audit: bool, resume: bool = False) -> int:
         """Build, (check,) parallelize, audit and train; the exit status."""
         r, t = self.recipe, self.topology
-        refuse_unavailable(r, resume)
+        checkpoints = Checkpoints(r, resume)
         check_devices(t)
         run_dir = run_dir if run_dir is not None else Path("runs") / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.reporter = Reporter(run_dir, self.process_index)
@@ -109,6 +109,9 @@ class Session:
             inputs, _ = batches.get(0)
             self.say(str(xla_tp.audit(model, to_device(inputs, self.mesh), mesh=self.mesh)))
         optimizer, schedule = make_optimizer(model, r.optimizer, r.steps)
+        start_step = checkpoints.resume(model, optimizer, schedule) if resume else 0
+        if resume:
+            self.say(f"resumed from step {start_step} ({r.checkpoint.dir})")
         if self.reporter.speaks:
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "recipe.yaml").write_text(yaml.safe_dump(
@@ -117,8 +120,8 @@ class Session:
         peak = None if t.peak_bf16_tflops_per_chip is None else t.peak_bf16_tflops_per_chip * 1e12 * t.chips
         self.say(f"training {r.steps} steps; metrics: {run_dir / 'metrics.jsonl'}")
         loop = Loop(model, optimizer, schedule, batches, self.mesh, r, self.reporter,
-                    flops_per_token(model, self.shape, r.seq_len), peak)
-        return loop.run(start_step=0)
+                    flops_per_token(model, self.shape, r.seq_len), peak, checkpoints)
+        return loop.run(start_step=start_step)
 
     def _check(self, model, batches: Batches, loss_fn) -> bool:
         inputs, targets = batches.get(0)
@@ -164,7 +167,7 @@ def plan_summary(model: torch.nn.Module, planned: PlannedSpecs, fit: FitReport) 
     ways = fit.mesh.get("fsdp", 1) * fit.mesh.get("model", 1)
     reasons = collections.Counter(planned.replicated.get(n, "no plan key shards it").split(":")[0]
                                   for n in names if n not in sharded)
-    lines = [f"plan summary ({planned.family}, from the plan; the run audits the compiled program): "
+    lines = [f"plan summary ({planned.source}, from the plan; the run audits the compiled program): "
              f"{len(names)} parameters, {len(sharded)} sharded, {len(names) - len(sharded)} replicated",
              f"  parameter bytes per chip {human(fit.params)}; ideal: total {human(total)} / {ways} = "
              f"{human(total // ways)}; ratio {fit.params / (total / ways):.3f}"]

@@ -28,6 +28,7 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from .checkpoints import Checkpoints
 from .data import IGNORE, Batches
 from .model import ModelShape
 from .progress import Reporter
@@ -125,6 +126,7 @@ class Loop:
     reporter: Reporter
     flops_per_token: int
     peak_flops: Optional[float]          # the whole slice's peak bf16 FLOP/s; None on CPU
+    checkpoints: Optional[Checkpoints] = None
 
     def run(self, start_step: int = 0) -> int:
         """Train from ``start_step`` to ``recipe.steps``; 0 when done, 130 when stopped early."""
@@ -148,6 +150,9 @@ class Loop:
                         last_time, last_step = now, step
                     else:
                         self.reporter.step(step)
+                    if self.checkpoints is not None and self.checkpoints.after_step(
+                            self.model, self.optimizer, step, stopping=flag.stop and step < r.steps):
+                        self.reporter.record({"event": "checkpoint", "step": step})
             if step < r.steps:
                 self.reporter.record({"event": "stopped", "step": step})
                 self.reporter.say(f"stopped after step {step} of {r.steps} (Ctrl-C or SIGTERM)")
