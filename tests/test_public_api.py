@@ -22,7 +22,7 @@ def test_auto_end_to_end_through_the_top_level_names():
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     mesh = xla_tp.make_mesh(model=8)
     plan = xla_tp.plan_for(model, mesh=mesh)
-    assert sorted(plan) == ["", "0", "2"]  # "": the batch enters split over the data axes
+    assert sorted(plan) == ["0", "2"]
     xla_tp.parallelize_xla(model, "auto", mesh=mesh)
     report = xla_tp.audit(model, torch.randn(8, 16, device=model[0].weight.device), mesh=mesh)
     assert report.count("all-reduce") == 1 and report.count("all-gather") == 0

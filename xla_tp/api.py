@@ -55,7 +55,7 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     layout = layout_for(module, plan, axes, tp_axis, strict, check_spec)
     place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
     install_constraints(module, layout, xmesh, replacing=applied_layout(module))
-    lowering.install(module)
+    lowering.install(module, lowering.packed_sites(module, getattr(plan, "slicers", frozenset())), axes[tp_axis])
     make_inference_safe(module)
     host_save_pretrained(module)
     enable_activation_checkpointing()
@@ -85,16 +85,15 @@ def layout_for(module: nn.Module, plan: Union[dict, ParallelStyle], axes: dict[s
     """Normalise and validate ``plan``, then let the plan prepare the model; the validated ``Layout``.
 
     Any backend calls this before it places a parameter. A planner's Plan may re-lay packed weights
-    device-major (same shapes) and name the modules the lowering mode must cover; both run only once
-    the plan has validated on the model as it was, so after a ``PlanError`` the model is untouched.
+    device-major (same shapes); that runs only once the plan has validated on the model as it was, so
+    after a ``PlanError`` the model is untouched.
     Example: ``layout_for(model, plan, {"model": 4}, "model", True, lambda spec: None)``.
     """
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes, check_spec)
     # Nothing has been touched so far. A planner's Plan may re-lay packed weights device-major (same
-    # shapes, so the layout above holds) and name modules the lowering mode must cover.
+    # shapes, so the layout above holds).
     getattr(plan, "relayout", lambda m: None)(module)
-    getattr(plan, "prepare", lambda m: None)(module)
     return layout
 
 

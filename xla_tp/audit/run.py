@@ -176,21 +176,19 @@ class _suspended_hooks:
 
     def __init__(self, module: nn.Module):
         self.handles = constraint_hooks(module)
-        self.saved: list[tuple[dict, int, Any]] = []
+        self.orders: dict[int, tuple[dict, list]] = {}  # dict order is call order: each touched dict's, as it was
 
     def __enter__(self) -> None:
         for handle in self.handles:
             hooks = handle.hooks_dict_ref()
             if hooks is not None and handle.id in hooks:
-                self.saved.append((hooks, handle.id, hooks.pop(handle.id)))
+                self.orders.setdefault(id(hooks), (hooks, list(hooks.items())))
+                hooks.pop(handle.id)
 
     def __exit__(self, *exc: Any) -> None:
-        for hooks, key, hook in self.saved:
-            hooks[key] = hook
-        # dict order is call order: restore the original order of every touched dict
-        for hooks in {id(h): h for h, _, _ in self.saved}.values():
-            for key in sorted(hooks):
-                hooks[key] = hooks.pop(key)
+        for hooks, items in self.orders.values():
+            hooks.clear()
+            hooks.update(items)
 
 
 def _sharded_numel(name: str, p: torch.Tensor) -> int:

@@ -16,8 +16,9 @@ token ids ``[2, 8]`` for a model whose first parametrised layer is an embedding,
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -157,20 +158,21 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
         v = graph.new_value(t, "input", f"input {pos}", dynamic=True)
         known[id(t)] = v
         graph.inputs.append(v)
-    handles = _scope_hooks(model, fqns, scope)
     recorder = _Recorder(graph, known, scope)
-    try:
-        with fake, recorder:
-            out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
-    except PlanError:
-        raise
-    except Exception as e:  # the model's own error, surfaced with what to do
-        raise PlanError(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
-                        f"layout: {type(e).__name__}: {e}. Pass example_inputs=(...) (and example_kwargs=) "
-                        f"that the model accepts, or pass a plan instead of 'auto'") from e
-    finally:
-        for h in handles:
-            h.remove()
+    with _own_hooks_only(model):
+        handles = _scope_hooks(model, fqns, scope)
+        try:
+            with fake, recorder:
+                out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
+        except PlanError:
+            raise
+        except Exception as e:  # the model's own error, surfaced with what to do
+            raise PlanError(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
+                            f"layout: {type(e).__name__}: {e}. Pass example_inputs=(...) (and example_kwargs=) "
+                            f"that the model accepts, or pass a plan instead of 'auto'") from e
+        finally:
+            for h in handles:
+                h.remove()
     graph.outputs = [recorder.value_of(t) for t in tree_flatten(_plain(out))[0] if isinstance(t, torch.Tensor)]
     return graph
 
@@ -194,6 +196,24 @@ def _fake_state(model: nn.Module) -> tuple[dict[str, tuple[str, torch.Tensor]], 
             names.append([name])
             state[name] = (kind, _fake_like(t))
     return state, names
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+
+
+@contextlib.contextmanager
+def _own_hooks_only(model: nn.Module) -> Iterator[None]:
+    """The model's forward hooks (xla_tp's constraints, an audit's recorder, ...) set aside while it
+    is traced: the trace records the model's own computation, and nothing else sees the fake call."""
+    saved = [(mod, name, getattr(mod, name)) for mod in model.modules() for name in _HOOK_DICTS]
+    for mod, name, hooks in saved:
+        setattr(mod, name, type(hooks)())
+    try:
+        yield
+    finally:
+        for mod, name, hooks in saved:
+            setattr(mod, name, hooks)
 
 
 def _scope_hooks(model: nn.Module, fqns: dict[int, str], scope: list[str]) -> list:

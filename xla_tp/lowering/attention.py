@@ -19,14 +19,17 @@ True
 from __future__ import annotations
 
 import math
+import threading
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
+from . import scope
 from .packed import packed_blocks
 
 _FLASH = {"enabled": False}
+_masks = threading.local()
 
 
 def use_flash_attention(enabled: bool = True) -> None:
@@ -82,17 +85,31 @@ def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     """SDPA's math with both contractions as einsums (batch and head dims kept)."""
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
-    scores = torch.einsum("...qd,...kd->...qk", query, key).float() * scale
+    scores = torch.einsum("...qd,...kd->...qk", query, key)
+    scores = (scores if scores.dtype == torch.float32 else scores.float()) * scale
     if is_causal:
-        keep = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool, device=query.device).tril()
-        scores = scores.masked_fill(~keep, float("-inf"))
+        scores = scores.masked_fill(_future(query.shape[-2], key.shape[-2], query.device), float("-inf"))
     if attn_mask is not None:
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.float())
-    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    probs = torch.softmax(scores, dim=-1)
+    probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p)
     return torch.einsum("...qk,...kd->...qd", probs, value)
+
+
+def _future(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """The causal mask's excluded positions (``j > i``), made once per parallelized forward and shape."""
+    masks = getattr(_masks, "cache", None)
+    if masks is None:
+        masks = _masks.cache = {}
+    key = (q_len, k_len, str(device))
+    if key not in masks:
+        if not masks:
+            scope.on_exit(masks.clear)
+        masks[key] = torch.ones(q_len, k_len, dtype=torch.bool, device=device).triu(1)
+    return masks[key]
 
 
 def matmul_4d(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

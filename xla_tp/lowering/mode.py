@@ -1,22 +1,13 @@
-"""The lowering mode: during a parallelized forward, ops that would hide a sharding are rewritten.
+"""The packed-output mode: re-laid packed projections read in place where the model slices them.
 
-A ``TorchFunctionMode`` is active while a parallelized module runs (``install`` adds a forward
-pre-hook and an always-called forward hook; nested modules share one activation). On XLA tensors
-(torch_xla's, and torchax's when the JAX backend traces the same module):
+A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output (their
+``scope`` sites). A projection whose weight was re-laid device-major (``packed``) has its output
+tagged; the model's own ``split``/``chunk``/slicing of it then gets each block read in place
+(``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
+output gets the original order back (with one warning naming the op: it moves data). Example::
 
-- ``F.scaled_dot_product_attention``, ``matmul``/``@`` of rank >= 4 and torch's
-  ``multi_head_attention_forward`` become einsums that keep heads visible (``attention``);
-- ``F.layer_norm`` is spelled out (torch_xla's kernel all-gathers a batch split over a data axis);
-- slices whose bounds lie past a dimension are clamped as on the CPU (torch_xla 2.9 raises
-  ``Value out of range`` for ``x[..., -4095:, :]`` on a dimension of 16, which transformers'
-  sliding-window caches do);
-- a projection whose weight was re-laid device-major (``packed``) has its output tagged, so the
-  model's own ``split``/``chunk``/slicing of it reads each block in place; any other use of the
-  tagged output gets the original order back.
-
-Everything else runs untouched. Example::
-
-    install(model)            # model(x) now runs under the mode
+    with active():            # what scope's hooks do around a site's forward
+        q, k, v = attn.c_attn(x).split(64, dim=2)      # blocks of the re-laid c_attn, in place
 """
 from __future__ import annotations
 
@@ -27,29 +18,12 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import attention, packed
+from . import packed
 
-_HOOKS = "_xla_tp_lowering_hooks"
 _state = threading.local()
-
-
-def _is_xla(t: Any) -> bool:
-    """An XLA tensor: torch_xla's, or torchax's (device "jax") when the JAX backend traces."""
-    return isinstance(t, torch.Tensor) and t.device.type in ("xla", "jax")
-
-
-def layer_norm(x: torch.Tensor, normalized_shape: Any, weight: Optional[torch.Tensor] = None,
-               bias: Optional[torch.Tensor] = None, eps: float = 1e-5) -> torch.Tensor:
-    """``F.layer_norm`` written out (same values)."""
-    dims = tuple(range(-len(tuple(normalized_shape)), 0))
-    mean = x.mean(dims, keepdim=True)
-    var = (x - mean).pow(2).mean(dims, keepdim=True)
-    y = (x - mean) * torch.rsqrt(var + eps)
-    y = y * weight if weight is not None else y
-    return y + bias if bias is not None else y
+GETITEM = torch._C.TensorBase.__getitem__  # what the mode sees for x[i] (torch.Tensor's may be wrapped)
 
 
 class Lowering(TorchFunctionMode):
@@ -83,7 +57,7 @@ class Lowering(TorchFunctionMode):
         if ranges is not None:
             got = packed.pieces(tensor, packing, ranges)
             if got is not None:
-                return got[0] if func in (torch.Tensor.__getitem__, torch.Tensor.narrow) else tuple(got)
+                return got[0] if func in (GETITEM, torch.Tensor.narrow) else tuple(got)
         if func in _KEEPS_LAST:
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.shape[-1] == tensor.shape[-1]:
@@ -136,7 +110,7 @@ def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor) -> Optional[
     if func is torch.Tensor.narrow:
         dim, start, length = args[1:4]
         return [(start % n, start % n + length)] if on_last(dim) else None
-    if func is torch.Tensor.__getitem__:
+    if func is GETITEM:
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if Ellipsis in index:
             i = index.index(Ellipsis)
@@ -159,70 +133,6 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _sdpa(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
-    if not _is_xla(args[0] if args else kwargs.get("query")):
-        return NotImplemented
-    return attention.sdpa(*args, **kwargs)
-
-
-def _matmul(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
-    a, b = (args[1], args[0]) if func is torch.Tensor.__rmatmul__ else (args[0], args[1] if len(args) > 1 else kwargs["other"])
-    if not (_is_xla(a) and _is_xla(b) and a.dim() >= 4 and b.dim() >= 4):
-        return NotImplemented
-    return attention.matmul_4d(a, b)
-
-
-def _mha(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
-    bound = dict(zip(attention.MHA_ARGS, args), **kwargs)
-    if not _is_xla(bound["query"]) or not attention.mha_supported(bound):
-        return NotImplemented
-    return attention.mha(**bound)
-
-
-def _layer_norm(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
-    if not _is_xla(args[0] if args else kwargs.get("input")):
-        return NotImplemented
-    return layer_norm(*args, **kwargs)
-
-
-def _getitem(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
-    t = args[0]
-    if not _is_xla(t):
-        return NotImplemented
-    fixed = clamp_slices(args[1], tuple(t.shape))
-    return NotImplemented if fixed is None else func(t, fixed)
-
-
-def clamp_slices(index: Any, shape: tuple[int, ...]) -> Any:
-    """``index`` with out-of-range slice bounds clamped to the dims they index; None if none is.
-
-    >>> clamp_slices((Ellipsis, slice(-4095, None), slice(None)), (2, 16, 8))
-    (Ellipsis, slice(-16, None, None), slice(None, None, None))
-    """
-    items = index if isinstance(index, tuple) else (index,)
-    if not any(isinstance(i, slice) for i in items) or any(isinstance(i, torch.Tensor) for i in items):
-        return None
-    real = sum(1 for i in items if i is not None and i is not Ellipsis)
-    dims, dim = [], 0
-    for i in items:
-        dims.append(dim)
-        if i is Ellipsis:
-            dim += len(shape) - real
-        elif i is not None:
-            dim += 1
-    out, changed = [], False
-    for i, d in zip(items, dims):
-        if isinstance(i, slice) and d < len(shape):
-            n = shape[d]
-            start, stop = (None if b is None else max(-n, min(n, b)) for b in (i.start, i.stop))
-            changed |= (start, stop) != (i.start, i.stop)
-            i = slice(start, stop, i.step)
-        out.append(i)
-    if not changed:
-        return None
-    return tuple(out) if isinstance(index, tuple) else out[0]
-
-
 def _projection(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
     weight = args[1] if func is F.linear else (args[2] if len(args) > 2 else kwargs.get("mat2"))
     packing = packed.packing_of(weight)
@@ -231,51 +141,15 @@ def _projection(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
     return mode.tag(func(*args, **kwargs), packing)
 
 
-_HANDLERS: dict[Callable, Callable] = {
-    F.scaled_dot_product_attention: _sdpa, torch.matmul: _matmul, torch.Tensor.matmul: _matmul,
-    torch.Tensor.__matmul__: _matmul, torch.Tensor.__rmatmul__: _matmul,
-    F.multi_head_attention_forward: _mha, F.layer_norm: _layer_norm,
-    F.linear: _projection, torch.addmm: _projection, torch.Tensor.__getitem__: _getitem,
-}
+_HANDLERS: dict[Callable, Callable] = {F.linear: _projection, torch.addmm: _projection}
 _KEEPS_LAST = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
                torch.Tensor.detach}
 
 
-def _active() -> Lowering:
+def active() -> Lowering:
+    """This thread's lowering mode (one instance, entered once however deep the nesting)."""
     mode = getattr(_state, "mode", None)
     if mode is None:
         mode = _state.mode = Lowering()
-        _state.depth = 0
     return mode
-
-
-def _enter(module: nn.Module, args: Any) -> None:
-    mode = _active()
-    if _state.depth == 0:
-        mode.__enter__()
-    _state.depth += 1
-
-
-def _leave(module: nn.Module, args: Any, output: Any) -> None:
-    mode = _active()
-    _state.depth -= 1
-    if _state.depth == 0:
-        mode.tags.clear()
-        mode.__exit__(None, None, None)
-
-
-def install(module: nn.Module) -> None:
-    """Run ``module``'s forward under the lowering mode (idempotent)."""
-    if getattr(module, _HOOKS, None):
-        return
-    handles = [module.register_forward_pre_hook(_enter, prepend=True),
-               module.register_forward_hook(_leave, always_call=True)]
-    setattr(module, _HOOKS, handles)
-
-
-def uninstall(module: nn.Module) -> None:
-    for handle in getattr(module, _HOOKS, None) or []:
-        handle.remove()
-    if hasattr(module, _HOOKS):
-        delattr(module, _HOOKS)

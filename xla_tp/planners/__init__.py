@@ -22,7 +22,6 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
-from ..dataflow.regions import is_attention
 from ..dataflow.trace import trace
 from ..errors import PlanError
 from ..mesh import canonical_axis, to_xs_mesh
@@ -62,8 +61,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     tp = axis_size(mesh, tp_axis)
     graph = trace(model, example_inputs, example_kwargs)
     roles = decide(graph, tp)
-    sites = {n.module for n in graph.nodes if is_attention(n)} | roles.sites
-    plan = build_plan(model, graph, roles, sites)
+    plan = build_plan(model, graph, roles)
     if not plan:
         raise PlanError(f"plan 'auto' found nothing to split in {type(model).__name__}: "
                         f"{_first_reasons(plan)}; pass a plan dict instead")

@@ -3,9 +3,8 @@
 A ``Plan`` is an ordinary plan dict (module FQN pattern -> ``LogicalStyle``) built from the roles
 ``roles.decide`` found. It also remembers each parameter's role and reason (``roles``), which
 parameters stay replicated and why (``replicated``), packed projections to re-lay before placing
-(``packings``) and the modules whose forward the lowering mode must cover (``sites``: where the
-trace saw attention or a packed projection being sliced). Layer indices become ``*`` where every
-layer has the same style. Example:
+(``packings``) and the modules that slice them (``slicers``: the packed-output mode runs there).
+Layer indices become ``*`` where every layer has the same style. Example:
 
 >>> import xla_tp
 >>> from torch import nn
@@ -22,16 +21,14 @@ import re
 from typing import Any, Optional
 
 from torch import nn
-from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+from torch.distributed.tensor.placement_types import Partial, Shard
 
 from ..dataflow.graph import Graph
-from ..lowering import mode, packed
-from ..plan.styles import ShardParams
+from ..lowering import packed
 from .logical import LogicalStyle
 from .roles import ParamRole, Roles
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a leading index stays: "0" must not become "*"
-BATCH_INPUT = ShardParams(inputs=((Replicate(),),))  # input 0: batch over data/fsdp, whole over the model axis
 KIND_TEXT = {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel embedding",
              "head": "vocab-parallel output head"}
 
@@ -53,18 +50,13 @@ class Plan(dict):
         self.roles: dict[str, ParamRole] = {}
         self.replicated: dict[str, str] = {}
         self.packings: dict[str, packed.Packing] = {}
-        self.sites: set[str] = set()
+        self.slicers: frozenset[str] = frozenset()
 
     def relayout(self, model: nn.Module) -> None:
         """Re-lay the packed projections device-major (shapes unchanged; run after validation)."""
         for name, packing in self.packings.items():
             owner, _, local = name.rpartition(".")
             packed.relayout(model.get_submodule(owner), local, packing)
-
-    def prepare(self, model: nn.Module) -> None:
-        """Cover the modules where the trace saw attention or packed slicing with the lowering mode."""
-        for fqn in sorted(self.sites):
-            mode.install(model.get_submodule(fqn))
 
     def explain(self, model: nn.Module, mesh: Any = None, tp_axis: str = "model") -> str:
         """Text: per parameter its role and why, spec, per-device shape and bytes; totals; padding."""
@@ -75,7 +67,7 @@ class Plan(dict):
         return f"Plan({dict.__repr__(self)})"
 
 
-def build_plan(model: nn.Module, graph: Graph, roles: Roles, sites: set[str]) -> Plan:
+def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
     """The plan dict for ``roles``: one ``LogicalStyle`` per module holding a split parameter."""
     plan = Plan()
     names: dict[int, list[str]] = {}
@@ -95,9 +87,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles, sites: set[str]) ->
             plan.packings[group[0]] = role.packing
     styles = {fqn: _style(params, roles.natural.get(fqn)) for fqn, params in by_module.items()}
     _compress(plan, styles, [f for f, _ in model.named_modules()])
-    if plan and "" not in plan:  # the batch enters split over the data axes (a no-op if it already is)
-        plan[""] = BATCH_INPUT
-    plan.sites = sites
+    plan.slicers = frozenset(roles.sites)
     return plan
 
 

@@ -61,7 +61,9 @@ def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh
     tp_axis = canonical_axis(tp_axis)
     plan = resolve_plan(model, plan, axes, tp_axis)
     layout = layout_for(model, plan, axes, tp_axis, strict, lambda spec: None)
-    lowering.install(model)  # attention with visible heads, whoever wrote the plan (as on torch_xla)
+    # attention with visible heads, whoever wrote the plan (as on torch_xla)
+    lowering.install(model, lowering.packed_sites(model, getattr(plan, "slicers", frozenset())), axes[tp_axis],
+                     groups=False)  # JAX differentiates the forward itself
     return JaxModel(model, layout, jmesh, plan)
 
 

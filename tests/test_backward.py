@@ -1,0 +1,130 @@
+"""The training step at Megatron's minimum: one input-gradient all-reduce per group of column-parallel
+projections reading one activation (q/k/v, gate/up), vocabulary-parallel embeddings whose weight
+gradient stays on each device's rows, and the audit's forward+backward minimum agreeing with it."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import torch_xla.distributed.spmd as xs
+from torch.distributed.device_mesh import DeviceMesh
+
+import xla_tp
+from xla_tp.audit.capture import capture_partitioned_hlo
+from xla_tp.audit.hlo import parse_collectives
+from xla_tp.lowering.embedding import install_embedding
+from xla_tp.lowering.groups import install_group
+from xla_tp.zoo import registry
+from xla_tp.zoo.cuda_llama import CudaLlama, sp_plan_calls
+from xla_tp.zoo.llama import LlamaArgs
+
+from .helpers import max_err
+
+LAYERS = registry.LAYERS
+# Megatron, forward: the vocabulary-parallel embedding and two row-parallel outputs per layer; backward:
+# one per column group (attention's input projections, the MLP's first) per layer and the LM head's input
+MEGATRON = (1 + 2 * LAYERS) + (2 * LAYERS + 1)
+
+
+def _collectives(tensors):
+    return parse_collectives(capture_partitioned_hlo(list(tensors)))
+
+
+def _audit(name: str, data: int):
+    mesh = xla_tp.make_mesh(data=data, model=8 // data)
+    torch.manual_seed(0)
+    model = registry.build(name)
+    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    x = registry.example_input(name).to(torch_xla.device())
+    xs.mark_sharding(x, mesh, ("data", None))
+    return xla_tp.audit(model, *registry.positional_args(model, x), mesh=mesh, backward=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "titan_llama", "gpt2", "bert"])
+def test_training_step_has_megatrons_all_reduces(name):
+    """1x8: every all-reduce is an activation's; the compiled forward+backward has Megatron's number and
+    the audit's minimum says the same."""
+    report = _audit(name, data=1)
+    assert report.count("all-reduce") == MEGATRON and report.count("all-gather") == 0, report
+    assert report.expected["all-reduce"]["count"] == MEGATRON, report.expected
+    assert report.comm_ratio == pytest.approx(1.0), report
+
+
+def test_qwen3_training_step_adds_only_its_head_norm_gradients():
+    """Qwen3 normalises q and k per head (replicated weights on head-split activations): their weight
+    gradients are the only all-reduces beyond Megatron's."""
+    report = _audit("qwen3", data=1)
+    assert report.count("all-reduce") == MEGATRON + 2 * LAYERS and report.count("all-gather") == 0, report
+    assert report.comm_ratio == pytest.approx(1.0, abs=0.002), report
+
+
+@pytest.mark.parametrize("name", ["llama", "titan_llama"])
+def test_training_step_on_a_2x4_mesh_is_at_the_audits_minimum(name):
+    """With a data axis every parameter gradient is reduced once over it, at its local size."""
+    assert _audit(name, data=2).comm_ratio == pytest.approx(1.0)
+
+
+def test_cuda_style_llama_under_the_sp_plan_trains_at_the_sp_minimum():
+    xla_tp.make_mesh(model=8)
+    model = CudaLlama(LlamaArgs(dim=64, n_heads=8, n_layers=LAYERS))
+    for module, plan in sp_plan_calls(model):
+        xla_tp.parallelize_module(module, DeviceMesh("xla", list(range(8))), plan)
+    tokens = torch.randint(0, 128, (4, 16)).to(torch_xla.device())
+    report = xla_tp.audit(model, tokens, mesh=xla_tp.make_mesh(model=8), backward=True)
+    assert report.comm_ratio == pytest.approx(1.0, abs=0.01), report
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return xla_tp.make_mesh(data=2, model=4)
+
+
+def test_a_column_group_reduces_its_input_gradient_once(mesh):
+    """q, k and v of different widths (GQA) reading one x: one all-reduce of x's gradient, not three;
+    values and gradients as on the CPU."""
+    torch.manual_seed(0)
+    ref = torch.nn.ModuleList([torch.nn.Linear(64, n, bias=b) for n, b in ((64, True), (32, False), (32, True))])
+    x_ref = torch.randn(8, 16, 64, requires_grad=True)
+    results = {}
+    for grouped in (False, True):
+        layers = copy.deepcopy(ref).to(torch_xla.device())
+        for lin in layers:
+            xs.mark_sharding(lin.weight, mesh, ("model", None))
+            if lin.bias is not None:
+                xs.mark_sharding(lin.bias, mesh, ("model",))
+        if grouped:
+            install_group(list(layers), tp=4)
+        x = x_ref.detach().to(torch_xla.device()).requires_grad_()
+        xs.mark_sharding(x, mesh, ("data", None, None))
+        loss = sum((lin(x) ** 2).sum() for lin in layers)
+        got = torch.autograd.grad(loss, [x, *layers.parameters()])
+        results[grouped] = [c for c in _collectives(got[:1]) if c.kind == "all-reduce"]
+        if grouped:
+            ref_loss = sum((lin(x_ref) ** 2).sum() for lin in ref)
+            want = torch.autograd.grad(ref_loss, [x_ref, *ref.parameters()])
+            for g, w in zip(got, want):
+                assert max_err(g, w) < 1e-3
+    assert len(results[False]) == 3 and len(results[True]) == 1, results
+
+
+@pytest.mark.parametrize("padding_idx", [None, 5])
+def test_a_vocabulary_parallel_embedding_reduces_one_devices_rows_over_the_data_axis(mesh, padding_idx):
+    torch.manual_seed(0)
+    ref = torch.nn.Embedding(128, 64, padding_idx=padding_idx)
+    ids = torch.randint(0, 128, (4, 16))
+    ids[0, :3] = 5
+    dy = torch.randn(4, 16, 64)
+    emb = copy.deepcopy(ref).to(torch_xla.device())
+    xs.mark_sharding(emb.weight, mesh, ("model", None))
+    install_embedding(emb, tp=4, mesh=mesh, spec=("model", None))
+    emb.weight._xla_tp_sharding = object()  # what parallelize_xla records on a sharded weight
+    xids, xdy = ids.to(torch_xla.device()), dy.to(torch_xla.device())
+    xs.mark_sharding(xids, mesh, ("data", None))
+    xs.mark_sharding(xdy, mesh, ("data", None, None))
+    (grad,) = torch.autograd.grad(emb(xids), [emb.weight], xdy)
+    found = _collectives([grad])
+    assert [(c.kind, math.prod(c.shape)) for c in found] == [("all-reduce", 32 * 64)], found  # one device's rows
+    (want,) = torch.autograd.grad(ref(ids), [ref.weight], dy)
+    assert max_err(grad, want) < 1e-4

@@ -1,0 +1,110 @@
+"""Column-parallel projections that read the same input, with one gradient reduction between them.
+
+q, k and v (or gate and up) read the same activation ``x``. Each one's input gradient ``dy_i @ W_i``
+contracts its split output dimension, so it is a partial sum; GSPMD all-reduces each of them before
+adding them up: three all-reduces of ``x``'s size where Megatron needs one. ``GroupedLinear`` computes
+the members' forwards as usual and, in backward, their input gradient as ONE contraction over the
+members' split rows laid side by side device-major (each device's rows of q, k and v next to each
+other, so nothing moves): one partial sum, one all-reduce. Weight gradients are per member, as before.
+
+A group is installed by swapping each member's ``forward`` (instance attribute): the first member
+called with some ``x`` computes every member for that ``x``; a member called with the same ``x``
+object gets its cached output; a member called with another ``x`` computes alone (a speculative
+output nobody reads is dead code the compiler drops). Example::
+
+    install_group([attn.q_proj, attn.k_proj, attn.v_proj], tp=4)
+    q = attn.q_proj(x)        # computes q, k and v
+    k = attn.k_proj(x)        # the cached k
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import scope
+from .swap import restore, swap
+
+ATTR = "_xla_tp_group"  # on a member module: its ColumnGroup
+
+
+class GroupedLinear(torch.autograd.Function):
+    """``(x, W_1, b_1, ..., W_k, b_k) -> (x W_1^T + b_1, ...)`` with one fused input gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, tp: int, x: torch.Tensor, *params: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        weights, biases = params[0::2], params[1::2]
+        ctx.tp, ctx.biased = tp, [b is not None for b in biases]
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: Any, *dys: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+        x, *weights = ctx.saved_tensors
+        live = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
+        dx = None
+        if live and ctx.needs_input_grad[1]:
+            rows = torch.cat([dy.unflatten(-1, (ctx.tp, -1)) for dy, _ in live], dim=-1)   # [..., tp, S]
+            mats = torch.cat([w.unflatten(0, (ctx.tp, -1)) for _, w in live], dim=1)       # [tp, S, in]
+            dx = torch.einsum("...ts,tsi->...i", rows, mats)
+        grads: list[Optional[torch.Tensor]] = []
+        for i, (dy, biased) in enumerate(zip(dys, ctx.biased)):
+            wants_w, wants_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
+            grads.append(torch.einsum("...o,...i->oi", dy, x) if dy is not None and wants_w else None)
+            grads.append(dy.flatten(0, -2).sum(0) if dy is not None and biased and wants_b else None)
+        return (None, dx, *grads)
+
+
+class ColumnGroup:
+    """Members (``nn.Linear``s split on their output rows over ``tp`` devices) and the last call's outputs."""
+
+    def __init__(self, members: Sequence[nn.Linear], tp: int):
+        self.members = [weakref.ref(m) for m in members]
+        self.tp = tp
+        self._x: Optional[torch.Tensor] = None
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def output(self, member: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if self._x is not x:
+            self._compute(x)
+        out = self._outputs.pop(id(member), None)
+        return out if out is not None else F.linear(x, member.weight, member.bias)
+
+    def _compute(self, x: torch.Tensor) -> None:
+        mods = [m() for m in self.members]
+        params = [t for m in mods for t in (m.weight, m.bias)]
+        outputs = GroupedLinear.apply(self.tp, x, *params)
+        self._x, self._outputs = x, {id(m): y for m, y in zip(mods, outputs)}
+        scope.on_exit(self.clear)  # the outputs are held until the outermost parallelized forward ends
+
+    def clear(self) -> None:
+        """Forget the last call (its tensors are held until then)."""
+        self._x, self._outputs = None, {}
+
+
+def _grouped_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    group: ColumnGroup = getattr(self, ATTR)
+    if x.device.type != "xla":  # the JAX backend differentiates the forward itself
+        return F.linear(x, self.weight, self.bias)
+    return group.output(self, x)
+
+
+def groupable(module: nn.Module, tp: int) -> bool:
+    """An ``nn.Linear`` whose output rows ``tp`` divides (the group lays them out device-major)."""
+    return isinstance(module, nn.Linear) and module.out_features % tp == 0
+
+
+def install_group(members: Sequence[nn.Linear], tp: int) -> ColumnGroup:
+    """Swap each member's ``forward`` for the grouped one; returns the group (idempotent per member)."""
+    group = ColumnGroup(members, tp)
+    for m in members:
+        swap(m, ATTR, group, _grouped_forward)
+    return group
+
+
+def uninstall_groups(model: nn.Module) -> None:
+    """Give every grouped member of ``model`` its own forward back."""
+    restore(model, ATTR)

@@ -1,0 +1,77 @@
+"""What a model's lowering needs: its packed-output sites, and its column groups (from a trace).
+
+- **sites**: the modules that slice a re-laid packed projection's output (a planner names them) and
+  the parents of re-laid projections. The packed-output mode runs only inside them (``scope``).
+- **groups**: ``nn.Linear``s split on their output rows (column-parallel in the layout, rows
+  divisible by the model axis) that read the same activation in a traced forward: q, k and v; gate
+  and up. Each group gets one fused input gradient (``groups``). ``find_groups`` runs at the first
+  forward of the outermost parallelized module, traced on fake copies of the real arguments, with
+  the layout of every ``parallelize`` call on it merged (``layout_of``): the torch idiom of one
+  call for the root and one per block gets the same groups as one call. A forward that cannot be
+  traced gets no groups (the plain program: one reduction per projection). Example::
+
+    packed_sites(model, slicers)                              # {'transformer.h.0.attn', ...}
+    find_groups(model, layout, tp=4, graph=trace(model, (ids,)))
+    # [['model.layers.0.self_attn.q_proj', '...k_proj', '...v_proj'], ['...mlp.gate_proj', '...up_proj'], ...]
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..dataflow.graph import Graph
+from ..dataflow.regions import projections
+from ..plan.layout import Layout, spec_axes
+from .embedding import lowerable
+from .groups import groupable
+from .packed import packing_of
+
+
+def packed_sites(model: nn.Module, slicers: frozenset[str] = frozenset()) -> set[str]:
+    """``slicers`` and the parent of every module holding a re-laid packed parameter."""
+    return set(slicers) | {fqn.rpartition(".")[0] for fqn, m in model.named_modules()
+                           if any(packing_of(p) is not None for p in m.parameters(recurse=False))}
+
+
+def find_groups(model: nn.Module, layout: Layout, tp: int, graph: Graph) -> list[list[str]]:
+    """Column-parallel Linears of ``model`` reading one activation in ``graph``, two or more each."""
+    modules = dict(model.named_modules())
+    by_input: dict[int, list[str]] = {}
+    for p in projections(graph):
+        fqn = p.node.module
+        if p.node.op != "linear" or not groupable(modules.get(fqn), tp) or not _rows_split(layout, fqn):
+            continue
+        members = by_input.setdefault(p.node.tensors[0].index, [])
+        if fqn not in members:
+            members.append(fqn)
+    return [g for g in by_input.values() if len(g) > 1]
+
+
+def vocab_tables(model: nn.Module, layout: Layout, tp: int) -> list[tuple[nn.Embedding, Any]]:
+    """The ``nn.Embedding``s of ``model`` split on their rows (the vocabulary) over the model axis,
+    each with its weight's sharding record (mesh and spec)."""
+    from ..guard import SHARDING_ATTR
+    return [(m, record) for fqn, m in model.named_modules()
+            if lowerable(m, tp) and _rows_split(layout, fqn)
+            and (record := getattr(m.weight, SHARDING_ATTR, None)) is not None]
+
+
+def _rows_split(layout: Layout, fqn: str) -> bool:
+    """The module's weight rows are split over the model axis alone (device-major blocks), nothing else
+    over it."""
+    spec = layout.params.get(f"{fqn}.weight" if fqn else "weight")
+    return (spec is not None and spec_axes(spec[0]) == (layout.tp_axis,)
+            and all(layout.tp_axis not in spec_axes(a) for a in spec[1:]))
+
+
+def trace_groups(model: nn.Module, layout: Layout, args: tuple, kwargs: dict[str, Any], tp: int) -> list[list[str]]:
+    """``find_groups`` for ``model`` called with ``args``/``kwargs``; [] when the forward cannot be
+    traced on fake tensors."""
+    from ..dataflow.trace import trace
+    from ..errors import PlanError
+    try:
+        graph = trace(model, args, kwargs)
+    except PlanError:
+        return []
+    return find_groups(model, layout, tp, graph)
