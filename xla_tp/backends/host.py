@@ -97,8 +97,11 @@ _libc: Optional[ctypes.CDLL] = None
 
 
 def release_host_memory() -> None:
-    """Return freed heap memory to the operating system (glibc's ``malloc_trim``; a no-op elsewhere)."""
+    """Wait for the transfers still reading host buffers (they run after ``_load_local_shards``
+    returns, and keep their source until done), then return freed heap memory to the operating
+    system (glibc's ``malloc_trim``; a no-op elsewhere)."""
     global _libc
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])
     if _libc is None:
         name = ctypes.util.find_library("c")
         _libc = ctypes.CDLL(name) if name else ctypes.CDLL(None)
