@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from . import write_result
+
 SHAPES = {  # Llama-3-8B widths, and smaller shapes for quick runs and the test suite
     "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                       vocab_size=128256),
@@ -178,9 +180,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(args.child, args.shape, args.layers, args.checkpoint, args.audit)))
         return 0
     result = measure(args.shape, args.layers, audit=args.audit)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "meta_init.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    write_result(args.out, "meta_init.json", result)
     return 0
 
 

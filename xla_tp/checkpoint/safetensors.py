@@ -6,7 +6,7 @@ model: the blocks the devices hold are read straight from the file (``Safetensor
 and handed to the devices (``backends.host.write_from_host``). Files are read with plain reads, never
 memory-mapped, and only the tensor being loaded is on the host: peak host memory stays near the
 largest single tensor, however big the model. A model built on ``meta`` and parallelized is
-initialised on the device, then overwritten tensor by tensor. Example::
+initialised (``backends.init``), then overwritten tensor by tensor. Example::
 
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
