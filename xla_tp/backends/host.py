@@ -81,6 +81,25 @@ def write_from_host(target: torch.Tensor, read: ReadBlocks) -> None:
     torch_xla._XLAC._load_local_shards(target, [values[block_key(b)] for b in blocks], devices)
 
 
+def read_to_host(t: torch.Tensor) -> torch.Tensor:
+    """The whole of XLA tensor ``t`` (with device data) on the host, assembled from each device's
+    shard. ``t.cpu()`` on a split tensor first runs a program that replicates it on every device
+    (a whole tensor per device: 8 GB of device memory for a 1 GB embedding on 8 devices); here the
+    shards come over as they are, and the host holds at most the shards and the result."""
+    if not is_tiled(t):
+        return t.detach().cpu()
+    out = torch.empty(t.shape, dtype=t.dtype)
+    shards = torch_xla._XLAC._get_local_shards([t])[0]
+    indices = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
+    done: set = set()
+    for (data, _), (_, index) in zip(shards, indices):
+        key = block_key(index)
+        if key not in done:
+            done.add(key)
+            out[tuple(index)] = data[tuple(slice(0, s.stop - s.start) for s in index)]
+    return out
+
+
 def block_key(block: Block) -> tuple[tuple[int, int], ...]:
     return tuple((s.start, s.stop) for s in block)
 
