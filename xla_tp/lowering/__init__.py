@@ -8,10 +8,11 @@ first forward (``groups``, ``embedding``, ``sites``), and the per-forward cleanu
 
     install(model, packed_sites(model), tp=4)
 """
-from typing import Any
+from typing import Any, Optional
 
 from torch import nn
 
+from ..plan.layout import Layout
 from . import patches, scope
 from .attention import use_flash_attention
 from .embedding import install_embedding, uninstall_embeddings
@@ -28,19 +29,26 @@ def install(model: nn.Module, sites: set[str], tp: int, groups: bool = True) -> 
 
 def _first_forward(tp: int):
     def find(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        from ..plan.applied import layout_of
-        if not args or getattr(args[0], "device", None) is None or args[0].device.type != "xla":
-            return
-        _uninstall_found(model)
-        layout = layout_of(model)  # every parallelize call on model, merged
-        if layout is None:
-            return
-        modules = dict(model.named_modules())
-        for table, record in vocab_tables(model, layout, tp):
-            install_embedding(table, tp, record.mesh, record.spec)
-        for members in trace_groups(model, layout, args, kwargs, tp):
-            install_group([modules[fqn] for fqn in members], tp)
+        if args and getattr(args[0], "device", None) is not None and args[0].device.type == "xla":
+            discover(model, args, kwargs, tp)
     return find
+
+
+def discover(model: nn.Module, args: tuple, kwargs: dict[str, Any], tp: int, layout: Optional[Layout] = None,
+             embeddings: bool = True) -> None:
+    """Install ``model``'s column groups (and, with ``embeddings``, its vocabulary-parallel tables) for
+    a call with ``args``/``kwargs`` under ``layout`` (default: every parallelize call on ``model``,
+    merged), replacing any found before."""
+    from ..plan.applied import layout_of
+    _uninstall_found(model)
+    layout = layout or layout_of(model)
+    if layout is None:
+        return
+    modules = dict(model.named_modules())
+    for table, record in vocab_tables(model, layout, tp) if embeddings else ():
+        install_embedding(table, tp, record.mesh, record.spec)
+    for members in trace_groups(model, layout, args, kwargs, tp):
+        install_group([modules[fqn] for fqn in members], tp)
 
 
 def _uninstall_found(model: nn.Module) -> None:
@@ -54,4 +62,4 @@ def uninstall(model: nn.Module) -> None:
     _uninstall_found(model)
 
 
-__all__ = ["install", "packed_sites", "uninstall", "use_flash_attention"]
+__all__ = ["discover", "install", "packed_sites", "uninstall", "use_flash_attention"]

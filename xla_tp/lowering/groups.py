@@ -75,8 +75,10 @@ class ColumnGroup:
 
     def _compute(self, x: torch.Tensor) -> None:
         mods = [m() for m in self.members]
-        params = [t for m in mods for t in (m.weight, m.bias)]
-        outputs = GroupedLinear.apply(self.tp, x, *params)
+        if x.device.type == "xla":
+            outputs = GroupedLinear.apply(self.tp, x, *[t for m in mods for t in (m.weight, m.bias)])
+        else:  # torchax: JAX differentiates the forward, so the forward itself is one contraction
+            outputs = stacked_linear(self.tp, x, [m.weight for m in mods], [m.bias for m in mods])
         self._x, self._outputs = x, {id(m): y for m, y in zip(mods, outputs)}
         scope.on_exit(self.clear)  # the outputs are held until the outermost parallelized forward ends
 
@@ -85,9 +87,24 @@ class ColumnGroup:
         self._x, self._outputs = None, {}
 
 
+def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
+                   biases: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    """The members' outputs from one contraction with their rows stacked device-major (each device's
+    rows of every member side by side: nothing moves); differentiating it gives one input gradient."""
+    stacked = torch.cat([w.unflatten(0, (tp, -1)) for w in weights], dim=1)       # [tp, S, in]
+    y = torch.einsum("...i,tsi->...ts", x, stacked)
+    outputs, start = [], 0
+    for w, b in zip(weights, biases):
+        rows = w.shape[0] // tp
+        out = y[..., start:start + rows].flatten(-2)
+        outputs.append(out if b is None else out + b)
+        start += rows
+    return tuple(outputs)
+
+
 def _grouped_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     group: ColumnGroup = getattr(self, ATTR)
-    if x.device.type != "xla":  # the JAX backend differentiates the forward itself
+    if x.device.type not in ("xla", "jax"):
         return F.linear(x, self.weight, self.bias)
     return group.output(self, x)
 

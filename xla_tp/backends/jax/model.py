@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from torch import nn
 from torch.distributed.tensor.placement_types import Replicate
 
+from ... import lowering
 from ...plan.layout import Layout, activation_spec
 from .program import Inputs, Outputs, Program, call_module, jax_view, signature
 from .runtime import shardy, to_jax, to_torch
@@ -49,6 +50,7 @@ class JaxModel:
         self._outputs: dict[tuple, Outputs] = {}
         self._takes_use_cache = "use_cache" in inspect.signature(type(module).forward).parameters
         self._forward = jax.jit(self._forward_fn, static_argnames=("static",))
+        self._grouped = False  # column groups found (at the first call's arguments)
 
     def sharding(self, name: str) -> NamedSharding:
         """The ``NamedSharding`` of parameter ``name`` under the layout (replicated if unplanned)."""
@@ -70,7 +72,16 @@ class JaxModel:
         return {"use_cache": False, **kwargs} if self._takes_use_cache else kwargs
 
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, Inputs]:
-        """``(arrays, static)`` for a call: torch tensors become jax arrays sharded on the batch."""
+        """``(arrays, static)`` for a call: torch tensors become jax arrays sharded on the batch.
+
+        The first call also finds the module's column groups (q/k/v, gate/up) on these arguments:
+        their forward then runs as one contraction, so the gradient has one reduction per group.
+        """
+        if not self._grouped:
+            self._grouped = True
+            host = jax.tree_util.tree_map(lambda a: to_torch(a) if isinstance(a, jax.Array) else
+                                          torch.from_numpy(a) if isinstance(a, np.ndarray) else a, (args, kwargs))
+            lowering.discover(self.module, *host, self.mesh.shape[self.layout.tp_axis], self.layout, embeddings=False)
         return Inputs.split(args, kwargs, self._to_array)
 
     def _to_array(self, x: Any) -> jax.Array:
