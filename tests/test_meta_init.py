@@ -143,7 +143,7 @@ def test_bench_meta_init_and_lazy_load_need_little_host_memory():
         print(f"{row['route']}: {row['model_bytes'] / 1e6:.0f} MB in {row['seconds']:.1f} s, host peak "
               f"{row['host_peak'] / 1e6:.0f} MB (model {row['host_peak_over_model']:.2f}, device share "
               f"{row['host_peak_over_device_share']:.2f}, largest tensor {row['host_peak_over_largest_tensor']:.2f})")
-        # below half the model, as the issue asks; near one device's share (measured 1.4-1.6 here,
+        # below half the model, as the issue asks; near one device's share (measured 1.1 meta, 1.5 load here,
         # a fixed ~20 MB of runtime caches included); a whole-model staging would be 1.0 of the model.
         assert row["host_peak"] < 0.5 * row["model_bytes"], row
         assert row["host_peak"] < 2.5 * row["device_share_bytes"], row
