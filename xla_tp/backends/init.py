@@ -4,15 +4,16 @@ A module inside a Hugging Face model uses that model's own ``_init_weights`` (th
 ``PreTrainedModel`` that holds it: Linear/Embedding normal(0, initializer_range), norms to one,
 rotary frequencies computed); any other module its ``reset_parameters()``.
 
-The init runs on the host and each device's block is written into its sharded XLA tensor
-(``backends.host``). Random init on the device would not be partitioned: torch_xla's compiled
-``normal_`` draws the random bits of the whole tensor on every device before keeping its shard, a
-full tensor per device (four bytes per element). An init that fills its tensors element by element
-is recorded on ``meta`` and replayed on each block, so one tensor's blocks are on the host at a time;
-other inits run on full host twins of one module's tensors. Example::
+An init that fills its tensors element by element (``normal_``, ``uniform_``, ``fill_``, ``zero_``,
+``mul_``, ... with plain numbers, on the whole tensor or on a view of it such as a padding row) is
+recorded once on ``meta`` and replayed on the sharded XLA tensor itself: each device computes its
+own shard (random fills by ``backends.rng``, which GSPMD partitions; torch_xla's own are not), and
+the host never holds the tensor. Any other init (rotary tables computed, a tensor assigned) runs on
+full host twins of one module's tensors, written to each device's block (``backends.host``).
+Example::
 
     init = initializer(model, "model.layers.0.input_layernorm")   # LlamaRMSNorm: HF's _init_weights
-    initialise_on_host(model, "model.layers.0.input_layernorm", fresh={id(norm.weight)})
+    initialise(model, "model.layers.0.input_layernorm", fresh={id(norm.weight)})
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import PlanError
 from ..guard import SHARDING_ATTR
-from .host import Block, release_host_memory, write_from_host
+from .host import release_host_memory, write_from_host
+from .rng import FILLS
 
 
 def initializer(root: nn.Module, fqn: str) -> Optional[Callable[[], None]]:
@@ -49,14 +51,14 @@ def _hf_owner(root: nn.Module, fqn: str) -> Optional[nn.Module]:
     return None
 
 
-def initialise_on_host(root: nn.Module, fqn: str, fresh: Collection[int]) -> None:
-    """Initialise the module at ``fqn``: its tensors whose ``id`` is in ``fresh`` (XLA tensors with no
-    values yet) are written from the host, block by block. An init that only fills its tensors
-    element by element (``normal_``, ``uniform_``, ``fill_``, ... with plain numbers, as HF's
+def initialise(root: nn.Module, fqn: str, fresh: Collection[int]) -> None:
+    """Initialise the module at ``fqn``: its tensors whose ``id`` is in ``fresh`` (sharded XLA tensors
+    with no values yet). An init that only fills its tensors element by element (``normal_``,
+    ``uniform_``, ``fill_``, ... with plain numbers, on the whole tensor or a view of it, as HF's
     ``_init_weights`` and ``reset_parameters`` of Linear/Embedding/norms do) is recorded once on
-    ``meta`` twins and replayed on each device's block: one tensor's blocks on the host at a time.
-    Any other init (rotary tables, a padding row zeroed, an assigned tensor) runs on full host
-    twins. Its other tensors stay in place, so the init updates them on the device as before."""
+    ``meta`` twins and replayed on the XLA tensor: every device computes its own shard. Any other
+    init (rotary tables, an assigned tensor) runs on full host twins, written block by block. Its
+    other tensors stay in place, so the init updates them on the device as before."""
     mod = root.get_submodule(fqn)
     slots = [(store, name, t) for store in (mod._parameters, mod._buffers)
              for name, t in store.items() if t is not None and id(t) in fresh]
@@ -66,7 +68,8 @@ def initialise_on_host(root: nn.Module, fqn: str, fresh: Collection[int]) -> Non
     values = dict(zip((id(t) for _, _, t in whole), _run_on_twins(root, fqn, whole, lambda t: _twin(t, "cpu"))))
     for (_, name, t), recipe in zip(slots, recipes):
         if recipe is not None:
-            write_from_host(t, lambda blocks: [_replay(recipe, b, t.dtype) for b in blocks])
+            with torch.no_grad():
+                _replay(recipe, t)
             continue
         value = values.pop(id(t)).detach()
         if value.shape != t.shape:
@@ -79,12 +82,16 @@ def initialise_on_host(root: nn.Module, fqn: str, fresh: Collection[int]) -> Non
 
 
 Slot = tuple[dict, str, torch.Tensor]  # (the module's _parameters or _buffers, name, tensor)
-Recipe = list[tuple[Any, tuple, dict]]  # in-place element-wise ops: (aten op, its other args, kwargs)
+Step = tuple[Any, tuple, dict]  # an aten op, its arguments after the tensor, its kwargs
+Recipe = list[tuple[list[Step], Step]]  # in-place element-wise ops, each on a view (its path of view ops)
 _ELEMENTWISE = {torch.ops.aten.normal_.default, torch.ops.aten.uniform_.default, torch.ops.aten.fill_.Scalar,
                 torch.ops.aten.zero_.default, torch.ops.aten.erfinv_.default, torch.ops.aten.mul_.Tensor,
                 torch.ops.aten.mul_.Scalar, torch.ops.aten.add_.Tensor, torch.ops.aten.add_.Scalar,
                 torch.ops.aten.clamp_.default, torch.ops.aten.exponential_.default}
-_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default}  # ``.data``, ``.detach()``
+_VIEWS = {torch.ops.aten.detach.default, torch.ops.aten.alias.default,  # ``.data``, ``.detach()``
+          torch.ops.aten.select.int, torch.ops.aten.slice.Tensor, torch.ops.aten.view.default,
+          torch.ops.aten.t.default, torch.ops.aten.transpose.int, torch.ops.aten.permute.default,
+          torch.ops.aten.unsqueeze.default, torch.ops.aten.squeeze.dim}
 
 
 def _run_on_twins(root: nn.Module, fqn: str, slots: list[Slot], twin: Callable[[torch.Tensor], torch.Tensor]
@@ -116,43 +123,60 @@ def _record(root: nn.Module, fqn: str, slots: list[Slot]) -> list[Optional[Recip
 
 class _Recorder(TorchDispatchMode):
     """Records the ops that touch watched (meta) tensors: a tensor keeps a recipe while every op on
-    it is an in-place element-wise op on the whole tensor with plain-number arguments."""
+    it is a view or an in-place element-wise op on a view, with plain-number arguments."""
 
     def __init__(self):
         super().__init__()
         self.recipes: dict[int, Optional[Recipe]] = {}
         self._by_storage: dict[int, torch.Tensor] = {}
+        self._paths: dict[int, tuple[torch.Tensor, list[Step]]] = {}  # id(view) -> (view, view ops from its base)
 
     def watch(self, t: torch.Tensor, into: list) -> torch.Tensor:
         self.recipes[id(t)] = []
         self._by_storage[t.untyped_storage()._cdata] = t
+        self._paths[id(t)] = (t, [])
         into.append(t)
         return t
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _ALIASES:
-            for i, a in enumerate(pytree.tree_leaves((args, kwargs))):
-                owner = self._watched(a)
-                if owner is None or self.recipes[id(owner)] is None:
-                    continue
-                whole = (i == 0 and func in _ELEMENTWISE and a.shape == owner.shape and a.stride() == owner.stride()
-                         and a.storage_offset() == 0
-                         and not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args[1:], kwargs))))
-                self.recipes[id(owner)] = self.recipes[id(owner)] + [(func, args[1:], kwargs)] if whole else None
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        for i, a in enumerate(pytree.tree_leaves((args, kwargs))):
+            owner = self._watched(a)
+            if owner is None or self.recipes[id(owner)] is None:
+                continue
+            path = self._path(a, owner)
+            step = (func, args[1:], kwargs)
+            plain = not any(isinstance(x, torch.Tensor) for x in pytree.tree_leaves((args[1:], kwargs)))
+            if i == 0 and plain and path is not None and func in _VIEWS and isinstance(out, torch.Tensor):
+                self._paths[id(out)] = (out, path + [step])
+            elif i == 0 and plain and path is not None and func in _ELEMENTWISE:
+                self.recipes[id(owner)].append((path, step))
+            else:
+                self.recipes[id(owner)] = None
+        return out
 
     def _watched(self, a: Any) -> Optional[torch.Tensor]:
         if not isinstance(a, torch.Tensor) or not a.is_meta:
             return None
         return self._by_storage.get(a.untyped_storage()._cdata)
 
+    def _path(self, a: torch.Tensor, owner: torch.Tensor) -> Optional[list[Step]]:
+        """The view ops that make ``a`` from ``owner``: recorded, or none if ``a`` is all of it."""
+        known = self._paths.get(id(a))
+        if known is not None and known[0] is a:
+            return known[1]
+        whole = a.shape == owner.shape and a.stride() == owner.stride() and a.storage_offset() == 0
+        return [] if whole else None
 
-def _replay(recipe: Recipe, block: Block, dtype: torch.dtype) -> torch.Tensor:
-    out = torch.zeros([s.stop - s.start for s in block], dtype=dtype)
-    for func, args, kwargs in recipe:
-        func(out, *args, **kwargs)
-    return out
+
+def _replay(recipe: Recipe, t: torch.Tensor) -> None:
+    """Apply ``recipe`` to the XLA tensor ``t``: random fills by ``backends.rng``, on the device."""
+    for path, (func, args, kwargs) in recipe:
+        view = t
+        for view_func, view_args, view_kwargs in path:
+            view = view_func(view, *view_args, **view_kwargs)
+        FILLS.get(func, func)(view, *args, **kwargs)
 
 
 def _twin(t: torch.Tensor, device: str) -> torch.Tensor:

@@ -2,8 +2,8 @@
 
 CPU tensors are copied over; ``meta`` tensors become XLA tensors with their sharding and no values
 yet, and are then initialised by their module's own init (``backends.init``: a Hugging Face
-model's ``_init_weights``, else ``reset_parameters()``), run on the host one module at a time and
-written into each device's block, so the model never exists whole on the host or on a device.
+model's ``_init_weights``, else ``reset_parameters()``), one module at a time, each device computing
+its own block, so the model never exists whole on the host or on a device.
 Tied parameters stay tied. Each sharded parameter remembers its sharding for the optimizer
 guard (``xla_tp.guard``).
 
@@ -23,7 +23,7 @@ from torch import nn
 from ..guard import SHARDING_ATTR, forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
 from . import ShardFn
-from .init import initialise_on_host
+from .init import initialise
 
 
 def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn,
@@ -60,9 +60,10 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
         if had_meta:
             to_init.setdefault(mfqn)
     for mfqn in to_init:
-        initialise_on_host(module, mfqn, fresh)
+        initialise(module, mfqn, fresh)
         for p in module.get_submodule(mfqn).parameters(recurse=False):
             restore_sharding(p)  # an init that updates a tensor on the device may leave it replicated
+        torch_xla.sync()  # one module's init programs at a time: the devices hold one tensor's temporaries
     torch_xla.sync()
 
 
