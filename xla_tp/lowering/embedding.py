@@ -22,6 +22,7 @@ import torch_xla.distributed.spmd as xs
 import torch.nn.functional as F
 from torch import nn
 
+from .. import dynamo
 from ..guard import SHARDING_ATTR
 from .swap import restore, swap
 
@@ -84,6 +85,7 @@ def lowerable(module: nn.Module, tp: int) -> bool:
 
 def install_embedding(module: nn.Embedding, tp: int, mesh: xs.Mesh, spec: tuple) -> None:
     """Swap ``module``'s forward for the vocabulary-parallel one (its weight laid out as ``spec``)."""
+    dynamo.name(mesh)  # for torch.compile
     swap(module, ATTR, VocabSplit(tp, mesh, tuple(spec)), _vocab_forward)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 
 from .mode import active
@@ -47,8 +48,14 @@ def on_exit(callback: Callable[[], None]) -> None:
 
 def _enter_root(module: nn.Module, args: tuple, kwargs: dict) -> None:
     _state.depth = depth() + 1
+    if _state.depth == 1 and _FIRST in vars(module):
+        _first(module, args, kwargs)
+
+
+@torch.compiler.disable  # under torch.compile: run as is, between two compiled graphs (the first step only)
+def _first(module: nn.Module, args: tuple, kwargs: dict) -> None:
     first = vars(module).pop(_FIRST, None)
-    if first is not None and _state.depth == 1:
+    if first is not None:
         first(module, args, kwargs)
 
 
