@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m bench --quick``: one model, one width, the 1x8 mesh, route (e) tried for real."""
+"""``python -m bench --quick``: one model, one width, the 1x8 mesh, route (e) run for real."""
 import json
 import os
 import subprocess
@@ -26,11 +26,11 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path):
     assert jax_route["compute_balance"] == by_route["a_xla_tp"]["compute_balance"]
     table = (tmp_path / "latest.md").read_text()
     assert "| titan_llama-64 | 1x8 | a_xla_tp |" in table
-    auto = by_route["e_xla_auto_sharding"]  # ran, or recorded the exact error / timeout
-    assert auto["status"] == "ok" or auto["status"].startswith("fails: "), auto
-    if auto["status"] == "ok":
-        assert auto["auto_compiles"] >= 1 and auto["compute_balance"] is not None
-    assert results["e_xla_auto_sharding"].startswith(("ran on titan_llama-64", "tried on titan_llama-64"))
+    auto = by_route["e_xla_auto_sharding"]  # runs on CPU, but the CPU compiler has no auto-sharding pass
+    assert auto["status"] == "ok" and auto["auto_compiles"] == 1, auto
+    assert not auto["auto_sharding_pass"] and auto["params_sharded"] == 0, auto
+    assert auto["compute_balance"] == 8.0 and auto["collectives"] == {}, auto  # everything replicated
+    assert results["e_xla_auto_sharding"].startswith("ran on titan_llama-64")
     _assert_matplotlib_png(tmp_path)
 
 
