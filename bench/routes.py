@@ -87,10 +87,11 @@ ROUTES: dict[str, Callable] = {
 BACKWARD_ROUTES = ("a_xla_tp", "b_hand_mark_sharding", "g_replicated")  # also audited forward+backward
 
 
-def run_route(route: str, family: str, width: str, mesh, unsharded: dict, steps: bool = False) -> dict[str, Any]:
-    """One row: the route's forward audit, compile time, trace times (forward, forward+backward), for
-    ``BACKWARD_ROUTES`` the forward+backward audit, with ``steps`` the training-step times per execution
-    route (``timing.step_stats``); or the error it hit.
+def run_route(route: str, family: str, width: str, mesh, unsharded: dict, steps: bool = False,
+              extras: bool = True) -> dict[str, Any]:
+    """One row: the route's forward audit and compile time; with ``extras`` its trace times (forward,
+    forward+backward) and for ``BACKWARD_ROUTES`` the forward+backward audit; with ``steps`` the
+    training-step times per execution route (``timing.step_stats``); or the error it hit.
 
     ``unsharded`` caches the unsharded FLOPs per model, so each route compiles once.
     """
@@ -113,8 +114,9 @@ def run_route(route: str, family: str, width: str, mesh, unsharded: dict, steps:
         start = time.perf_counter()
         report = audit_here(model, (x,), mesh, False, layout, unsharded[key])
         row["compile_s"] = time.perf_counter() - start  # trace + compile of the forward
-        row["trace_fwd"], row["trace_fwdbwd"] = trace_stats(model, x, False), trace_stats(model, x, True)
-        if route in BACKWARD_ROUTES:
+        if extras:
+            row["trace_fwd"], row["trace_fwdbwd"] = trace_stats(model, x, False), trace_stats(model, x, True)
+        if extras and route in BACKWARD_ROUTES:
             row.update(_backward_audit(model, x, mesh, layout, unsharded, key))
         if steps:
             row["steps"] = step_stats(model, x)

@@ -77,7 +77,7 @@ def _leave_site(module: nn.Module, args: Any, output: Any) -> None:
     _state.sites -= 1
     if _state.sites == 0:
         mode = active()
-        mode.tags.clear()
+        mode.tagged = False
         mode.__exit__(None, None, None)
 
 
