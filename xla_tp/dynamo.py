@@ -3,9 +3,8 @@
 Eager and ``torch_xla.compile`` re-trace the Python forward every step, so sharding annotations
 (activation constraints, the vocabulary-parallel embedding's gradient) call torch_xla directly.
 Dynamo cannot trace those calls (a pybind function, and ``Mesh.get_op_sharding``'s numpy): each one
-would split the graph, and a piece that only forwards its input compiles to an empty XLA program
-that torch_xla's dynamo bridge then fails to find (``Failed to get computation by hash ... kicked
-out of the LRU cache``). While dynamo traces, an annotation is instead the custom op
+would split the graph into pieces torch_xla's dynamo bridge fails on (``Failed to get computation
+by hash ... kicked out of the LRU cache``, before this module existed). While dynamo traces, an annotation is instead the custom op
 ``xla_tp::constrain``: one node in the FX graph, with the same effect on the value, which the
 openxla backend runs on XLA tensors when it builds the program.
 
@@ -62,6 +61,8 @@ def constrain(x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
     """A copy of ``x`` laid out as ``spec`` on ``mesh``: one op dynamo records (no gradient rule:
     callers inside an autograd Function annotate the gradient themselves)."""
     return _constrain(x, getattr(mesh, _NAME), repr(tuple(spec)))
+
+
 def enable() -> None:
     """Make torch_xla's dynamo bridge find a compiled graph's inputs by their data (idempotent).
 
