@@ -1,5 +1,11 @@
 """``python -m bench``: every model x mesh x route, written to bench/results/.
 
+Each row: the forward audit, and on the 8-device meshes (for routes a, b, g) the forward+backward
+audit, trace times (median, min, max of 9 after warm-up), and on the last mesh at the first width
+the training-step times per execution route (eager, ``torch_xla.compile``, dynamo) with their
+compile counts (the 1x4 child: the forward audit only). Then the trace overhead of xla_tp against
+hand-written sharding (``overhead``).
+
 The 1x4 mesh runs in a child process with 4 CPU devices (a torch_xla mesh spans all devices).
 Options: ``--quick`` (one model, one width, the 1x8 mesh only), ``--out DIR``.
 Example: ``python -m bench --quick --out /tmp/bench``.
@@ -21,19 +27,22 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 MESHES = {8: ({"model": 8}, {"data": 2, "model": 4}), 4: ({"model": 4},)}
 
 
-def run_meshes(families, widths, meshes) -> list[dict]:
-    """Every route on every model and mesh; route (e) on the smallest model only (a child each)."""
+def run_meshes(families, widths, meshes, extras: bool = True) -> list[dict]:
+    """Every route on every model and mesh; route (e) on the smallest model only (a child each);
+    ``extras``: trace times, forward+backward audits and training steps too."""
     import xla_tp
     from xla_tp.zoo import registry
     from .auto_sharding import auto_sharding_row
     from .models import smallest
-    from .routes import JAX_ROUTE, ROUTES, mesh_name, run_route
+    from .routes import BACKWARD_ROUTES, JAX_ROUTE, ROUTES, mesh_name, run_route
     rows, auto_family = [], smallest(families, widths[0])
     for axes in meshes:
         mesh, cache = xla_tp.make_mesh(**axes), {}
         for family in families:
             for width in widths:
-                new = [run_route(route, family, width, mesh, cache) for route in [*ROUTES, JAX_ROUTE]]
+                steps = extras and axes is meshes[-1] and width == widths[0]
+                new = [run_route(route, family, width, mesh, cache, steps and route in BACKWARD_ROUTES, extras)
+                       for route in [*ROUTES, JAX_ROUTE]]
                 if (family, width) == (auto_family, widths[0]):
                     sizes = {"data": axes.get("data", 1), "model": axes["model"]}
                     new.append({"route": "e_xla_auto_sharding", "family": family, "width": registry.WIDTHS[width],
@@ -56,7 +65,7 @@ def main(argv=None) -> int:
     devices = int(os.environ["CPU_NUM_DEVICES"])
     meshes = MESHES[devices][:1] if args.quick else MESHES[devices]
     if args.child:
-        Path(args.child).write_text(json.dumps(run_meshes(families, widths, meshes)))
+        Path(args.child).write_text(json.dumps(run_meshes(families, widths, meshes, extras=False)))
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -73,9 +82,14 @@ def main(argv=None) -> int:
     from .jax_route import NOTE as JAX_NOTE, ROUTE as JAX_ROUTE
     from .planning import planning_times
     from .render import CHART, render
+    from .overhead import trace_overhead
+    overhead = trace_overhead()
+    print("trace overhead (median of the same run):", json.dumps(overhead["ratios"]), flush=True)
     extra = {"e_xla_auto_sharding": summary(rows), JAX_ROUTE: JAX_NOTE,
-             "planning, Llama-3-70B shape on meta": json.dumps(planning_times())}
-    (out / "routes.json").write_text(json.dumps({"rows": rows, **extra}, indent=1))
+             "planning, Llama-3-70B shape on meta": json.dumps(planning_times()),
+             f"trace overhead ({overhead['model']}, median of {overhead['traces']} interleaved)":
+                 json.dumps(overhead["ratios"])}
+    (out / "routes.json").write_text(json.dumps({"rows": rows, **extra, "trace_overhead": overhead}, indent=1))
     render(rows, out, extra)
     print(f"wrote {out / 'routes.json'}, {out / 'latest.md'}, {out / CHART}")
     return 0

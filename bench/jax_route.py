@@ -18,9 +18,10 @@ import xla_tp
 from xla_tp.zoo import registry
 
 from .models import build
+from .timing import stats
 
 ROUTE = "f_jax_torchax"
-NOTE = ("the same 'auto' plan compiled by JAX (torchax, Shardy); trace_x is a one-off there: JAX traces "
+NOTE = ("the same 'auto' plan compiled by JAX (torchax, Shardy); its trace time is one trace, a one-off there: JAX traces "
         "once per input shape and reuses the executable, where torch_xla re-traces every step")
 
 
@@ -35,7 +36,7 @@ def jax_row(family: str, width: str, sizes: dict[str, int]) -> dict[str, Any]:
     report = jm.audit(*args)
     data = report.to_dict()
     return {"how": "parallelize_jax auto (torchax, Shardy)", "status": "ok", "compile_s": compile_s,
-            "trace_s": trace_time(jm, batch), "all_gathers": report.count("all-gather"),
+            "trace_fwdbwd": stats([trace_time(jm, batch)]), "all_gathers": report.count("all-gather"),
             **{k: data[k] for k in ("comm_ratio", "compute_balance", "param_memory_ratio", "collectives")}}
 
 

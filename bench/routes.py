@@ -24,6 +24,7 @@ from xla_tp.zoo import registry
 from .jax_route import ROUTE as JAX_ROUTE, jax_row
 from .models import build
 from .plans import hand_apply, plan_layout, to_torch_plan
+from .timing import step_stats, trace_stats
 
 
 def _xla_tp(model, plan, mesh):
@@ -83,17 +84,14 @@ ROUTES: dict[str, Callable] = {
 }
 
 
-def trace_time(model, batch) -> float:
-    """Seconds to trace one forward+backward (the host work every step repeats); nothing runs."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    start = time.perf_counter()
-    loss = registry.run(model, batch).float().mean()
-    torch.autograd.grad(loss, params, allow_unused=True, materialize_grads=True)
-    return time.perf_counter() - start
+BACKWARD_ROUTES = ("a_xla_tp", "b_hand_mark_sharding", "g_replicated")  # also audited forward+backward
 
 
-def run_route(route: str, family: str, width: str, mesh, unsharded: dict) -> dict[str, Any]:
-    """One row: the route's forward audit, compile and trace times, or the error it hit.
+def run_route(route: str, family: str, width: str, mesh, unsharded: dict, steps: bool = False,
+              extras: bool = True) -> dict[str, Any]:
+    """One row: the route's forward audit and compile time; with ``extras`` its trace times (forward,
+    forward+backward) and for ``BACKWARD_ROUTES`` the forward+backward audit; with ``steps`` the
+    training-step times per execution route (``timing.step_stats``); or the error it hit.
 
     ``unsharded`` caches the unsharded FLOPs per model, so each route compiles once.
     """
@@ -116,12 +114,26 @@ def run_route(route: str, family: str, width: str, mesh, unsharded: dict) -> dic
         start = time.perf_counter()
         report = audit_here(model, (x,), mesh, False, layout, unsharded[key])
         row["compile_s"] = time.perf_counter() - start  # trace + compile of the forward
-        row["trace_s"] = trace_time(model, x)
+        if extras:
+            row["trace_fwd"], row["trace_fwdbwd"] = trace_stats(model, x, False), trace_stats(model, x, True)
+        if extras and route in BACKWARD_ROUTES:
+            row.update(_backward_audit(model, x, mesh, layout, unsharded, key))
+        if steps:
+            row["steps"] = step_stats(model, x)
     except Exception as error:
         return _failed(row, error)
     data = report.to_dict()
     return {**row, "status": "ok", "all_gathers": report.count("all-gather"),
             **{k: data[k] for k in ("comm_ratio", "compute_balance", "param_memory_ratio", "collectives")}}
+
+
+def _backward_audit(model, x, mesh, layout, unsharded: dict, key: tuple) -> dict[str, Any]:
+    """The forward+backward program's audit figures (``*_bwd``)."""
+    if key + ("backward",) not in unsharded:
+        unsharded[key + ("backward",)] = unsharded_dot_flops(model, (x,), True)
+    report = audit_here(model, (x,), mesh, True, layout, unsharded[key + ("backward",)])
+    return {"comm_ratio_bwd": report.comm_ratio, "compute_balance_bwd": report.compute_balance,
+            "all_gathers_bwd": report.count("all-gather")}
 
 
 def _failed(row: dict[str, Any], error: Exception) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
 from .backends import get_backend
-from . import lowering
+from . import dynamo, lowering
 from .backends.place import place_module
 from .checkpoint.export import host_save_pretrained
 from .constraints import install_constraints
@@ -59,6 +59,7 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     make_inference_safe(module)
     host_save_pretrained(module)
     enable_activation_checkpointing()
+    dynamo.enable()
     record_layout(module, layout)
     return module
 

@@ -28,6 +28,7 @@ import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from . import dynamo
 from .errors import PlanError
 from .lowering import scope
 from .plan.layout import Chain, Layout, ModuleLayout, activation_spec
@@ -50,7 +51,10 @@ class ShardingConstraint(torch.autograd.Function):
 
 def annotated_copy(x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
     """A copy of ``x`` behind a Sharding custom call. ``xs.mark_sharding`` cannot be used: on a
-    copy of device data (a fresh input) it refuses to replace the existing annotation."""
+    copy of device data (a fresh input) it refuses to replace the existing annotation. Under
+    ``torch.compile`` it is a custom op dynamo records (``dynamo.constrain``)."""
+    if torch.compiler.is_compiling():
+        return dynamo.constrain(x, mesh, spec)
     y = x.clone()
     torch_xla._XLAC._xla_annotate_custom_sharding(y, mesh.get_op_sharding(spec))
     return y
@@ -63,6 +67,7 @@ class _Constrainer:
         self.mesh, self.tp_axis, self.batch_axes = mesh, layout.tp_axis, layout.batch_axes
         sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
         self.batch_size = math.prod(sizes[a] for a in self.batch_axes)
+        dynamo.name(mesh)  # for torch.compile
 
     def applies(self, x: Any) -> bool:
         """Whether ``x`` is a tensor this backend constrains (here: an XLA tensor)."""
@@ -166,6 +171,8 @@ class _FirstForward:
         outs = output if isinstance(output, (tuple, list)) else (output,)
         for i, o in enumerate(outs[:len(self.ml.outputs)]):
             self.constrain.check(o, self.ml.outputs[i], self.ml, "output", i)
+        if torch.compiler.is_compiling():  # dynamo cannot represent a handle made outside its frame (and a
+            return  # graph break here would leave the model's frames uncompiled); compiled, the check costs nothing
         for handle in self.handles:  # checked: nothing left to do on later forwards
             handle.remove()
 

@@ -73,6 +73,7 @@ def _state_tensors(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> list[to
     return [v for v in optimizer.state.get(p, {}).values() if type(v) is torch.Tensor]
 
 
+@torch.compiler.disable  # reads shardings (pybind): under torch.compile it runs after the compiled step
 def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     optim.after_step(optimizer)
     params, states = [], 0
@@ -89,6 +90,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
                   states, type(optimizer).__name__)
 
 
+@torch.compiler.disable
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     optim.before_step(optimizer)
 

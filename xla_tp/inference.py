@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_map_only
 
 def _inference_safe_forward(self: nn.Module, *args, **kwargs):
     forward = self._xla_tp_forward
-    if not torch.is_inference_mode_enabled():
+    if torch.compiler.is_compiling() or not torch.is_inference_mode_enabled():
         return forward(*args, **kwargs)
     with torch.inference_mode(False), torch.no_grad():
         out = forward(*args, **kwargs)

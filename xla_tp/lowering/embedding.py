@@ -86,6 +86,7 @@ def lowerable(module: nn.Module, tp: int) -> bool:
 
 def install_embedding(module: nn.Embedding, tp: int, mesh: xs.Mesh, spec: tuple) -> None:
     """Mark ``module``'s weight (laid out as ``spec``) as a vocabulary-split table."""
+    dynamo.name(mesh)  # for torch.compile
     setattr(module.weight, ATTR, VocabSplit(tp, mesh, tuple(spec)))
 
 

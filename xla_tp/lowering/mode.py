@@ -11,7 +11,6 @@ output gets the original order back (with one warning naming the op: it moves da
 """
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 from typing import Any, Callable, Optional
@@ -35,12 +34,12 @@ class Lowering(TorchFunctionMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.tags: dict[int, tuple[torch.Tensor, packed.Packing]] = {}
+        self.tagged = False  # some output in this forward carries a packing (packed.tag_of)
         self.warned: set[str] = set()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if self.tags and any(id(a) in self.tags for a in args if isinstance(a, torch.Tensor)):
+        if self.tagged and any(packed.tag_of(a) is not None for a in args):
             return self._on_tagged(func, args, kwargs)
         handler = _HANDLERS.get(func)
         if handler is not None:
@@ -50,11 +49,12 @@ class Lowering(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def tag(self, out: torch.Tensor, packing: packed.Packing) -> torch.Tensor:
-        self.tags[id(out)] = (out, packing)
-        return out
+        self.tagged = True
+        return packed.tag(out, packing)
 
     def _on_tagged(self, func, args: tuple, kwargs: dict) -> Any:
-        tensor, packing = self.tags[id(next(a for a in args if isinstance(a, torch.Tensor) and id(a) in self.tags))]
+        tensor = next(a for a in args if packed.tag_of(a) is not None)
+        packing = packed.tag_of(tensor)
         if _metadata(func):
             return func(*args, **kwargs)
         ranges = _slice_ranges(func, args, kwargs, tensor)
@@ -74,8 +74,7 @@ class Lowering(TorchFunctionMode):
             self.warned.add(name)
             warnings.warn(f"xla_tp: '{name}' uses a re-laid packed projection's whole output; it gets the original "
                           f"order back, which moves data between devices", stacklevel=3)
-        fixed = tuple(packed.unpermute(a, self.tags[id(a)][1]) if isinstance(a, torch.Tensor) and id(a) in self.tags
-                      else a for a in args)
+        fixed = tuple(a if packed.tag_of(a) is None else packed.unpermute(a, packed.tag_of(a)) for a in args)
         return func(*fixed, **kwargs)
 
 
@@ -84,11 +83,16 @@ _METADATA = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride
                        "device", "ndim", "requires_grad", "is_leaf", "layout", "names", "grad_fn"})
 
 
-@functools.lru_cache(maxsize=None)
+_SEEN: dict[Callable, bool] = {}  # a dict, not functools.lru_cache: dynamo splits the graph at an lru_cache call
+
+
 def _metadata(func: Callable) -> bool:
     """Calls that read a tensor's metadata, not its values (``x.shape``, ``x.size(-1)``, ``x.dim()``)."""
-    name = (resolve_name(func) or getattr(func, "__name__", "")).removesuffix(".__get__").rsplit(".", 1)[-1]
-    return name in _METADATA
+    known = _SEEN.get(func)
+    if known is None:
+        name = (resolve_name(func) or getattr(func, "__name__", "")).removesuffix(".__get__").rsplit(".", 1)[-1]
+        known = _SEEN[func] = name in _METADATA
+    return known
 
 
 def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor) -> Optional[list[tuple[int, int]]]:

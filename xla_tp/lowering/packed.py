@@ -28,6 +28,7 @@ from torch import nn
 ATTR = "_xla_tp_packing"  # on a re-laid parameter: its Packing (what the lowering mode reads)
 _OWNED = "_xla_tp_packings"  # on the owning module: parameter name -> Packing (what its state-dict hooks
 # read, so a tensor swapped in for the parameter, an optimizer state, is re-laid the same way)
+_TAG = "_xla_tp_packed_output"  # on a re-laid projection's output during a forward: its Packing
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,21 @@ def _load_relaid(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) ->
 
 def packing_of(t: Any) -> Optional[Packing]:
     return getattr(t, ATTR, None) if isinstance(t, torch.Tensor) else None
+
+
+def tag(y: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """Mark ``y`` as a re-laid projection's output (features in ``packing``'s device-major order).
+
+    An attribute on the tensor, not a table keyed by ``id(y)``: dynamo (``torch.compile``) traces
+    attribute stores on tensors it creates, but not ``id()`` of them.
+    """
+    setattr(y, _TAG, packing)
+    return y
+
+
+def tag_of(t: Any) -> Optional[Packing]:
+    """The packing ``tag`` marked ``t`` with, else None (any object: cheap enough for every op argument)."""
+    return getattr(t, _TAG, None)
 
 
 def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:

@@ -56,8 +56,14 @@ def on_exit(callback: Callable[[], None]) -> None:
 
 def _enter_root(module: nn.Module, args: tuple, kwargs: dict) -> None:
     _state.depth = depth() + 1
+    if _state.depth == 1 and _FIRST in vars(module):
+        _first(module, args, kwargs)
+
+
+@torch.compiler.disable  # under torch.compile: run as is, between two compiled graphs (the first step only)
+def _first(module: nn.Module, args: tuple, kwargs: dict) -> None:
     first = vars(module).pop(_FIRST, None)
-    if first is not None and _state.depth == 1:
+    if first is not None:
         first(module, args, kwargs)
 
 
@@ -79,7 +85,7 @@ def _leave_site(module: nn.Module, args: Any, output: Any) -> None:
     _state.sites -= 1
     if _state.sites == 0:
         mode = active()
-        mode.tags.clear()
+        mode.tagged = False
         mode.__exit__(None, None, None)
 
 
