@@ -23,6 +23,7 @@ import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from .. import dynamo
 
 ATTR = "_xla_tp_vocab"  # on a vocabulary-split embedding weight: its VocabSplit
 
