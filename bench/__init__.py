@@ -1,0 +1,10 @@
+"""Benchmarks (``python -m bench``, ``python -m bench.optimizers``, ``python -m bench.meta_init``)."""
+import json
+from pathlib import Path
+
+
+def write_result(out: str, name: str, result: dict) -> None:
+    """Write ``result`` to ``out/name`` as JSON and print it."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / name).write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))

@@ -9,11 +9,12 @@ Writes ``bench/results/optimizers.json``. Example: ``python -m bench.optimizers 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from pathlib import Path
+
+from . import write_result
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -68,9 +69,7 @@ def main(argv=None) -> int:
     result = {"mesh": "fsdp=2 x model=4", "model": "llama small, bf16", "rows": rows,
               "ratio_optimizer_step_host": sr["optimizer_step_host_s"] / base["optimizer_step_host_s"],
               "ratio_whole_step": sr["whole_step_s"] / base["whole_step_s"], "goal": 1.10}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "optimizers.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    write_result(args.out, "optimizers.json", result)
     return 0
 
 

@@ -12,6 +12,7 @@ import torch_xla.distributed.spmd as xs
 from torch.distributed.device_mesh import DeviceMesh
 
 import xla_tp
+from xla_tp import lowering
 from xla_tp.audit.capture import capture_partitioned_hlo
 from xla_tp.audit.hlo import parse_collectives
 from xla_tp.lowering.embedding import install_embedding
@@ -118,8 +119,8 @@ def test_a_vocabulary_parallel_embedding_reduces_one_devices_rows_over_the_data_
     dy = torch.randn(4, 16, 64)
     emb = copy.deepcopy(ref).to(torch_xla.device())
     xs.mark_sharding(emb.weight, mesh, ("model", None))
+    lowering.install(emb, set(), tp=4, groups=False)  # a parallelized forward: F.embedding is lowered in it
     install_embedding(emb, tp=4, mesh=mesh, spec=("model", None))
-    emb.weight._xla_tp_sharding = object()  # what parallelize_xla records on a sharded weight
     xids, xdy = ids.to(torch_xla.device()), dy.to(torch_xla.device())
     xs.mark_sharding(xids, mesh, ("data", None))
     xs.mark_sharding(xdy, mesh, ("data", None, None))

@@ -125,17 +125,25 @@ def test_audits_agree(case):
 
 
 def test_backward_audits_agree():
-    """Forward + backward of the HF Llama under "auto": the same collectives and FLOPs on both
-    compilers (JAX's summed loss may add a scalar all-reduce or two)."""
+    """Forward + backward of the HF Llama under "auto": the same minimum and FLOPs on both compilers.
+    torch_xla's program is at the minimum; JAX differentiates the forward itself, without xla_tp's
+    grouped input gradients and per-device embedding gradient: one all-reduce of the activation per
+    column projection beyond the first of its group (q, k, v: 2; gate, up: 1; per layer), and the
+    embedding's gradient reduced at full size."""
     model, x = registry.build("llama"), registry.example_input("llama")
     xla_model, jm = both_backends(model, "auto", AXES)
     report = jm.audit(x, backward=True)
     x_xla = x.to(next(xla_model.parameters()).device)
     xla_report = xla_tp.audit(xla_model, x_xla, mesh=xla_tp.make_mesh(**AXES), backward=True)
-    assert report.comm_minimum_bytes == xla_report.comm_minimum_bytes
+    assert report.comm_minimum_bytes == xla_report.comm_minimum_bytes == xla_report.comm_bytes
     assert report.flops_per_device == xla_report.flops_per_device
     assert report.count("all-gather") == xla_report.count("all-gather") == 0
-    assert 0 <= report.comm_bytes - xla_report.comm_bytes <= 16, (report.collectives, xla_report.collectives)
+    layers, tp, tokens, hidden, vocab = registry.LAYERS, AXES["model"], x.numel() // AXES["data"], 64, 128
+    ungrouped = 3 * layers * tokens * hidden * 4
+    embedding = (vocab - vocab // tp) * hidden * 4
+    assert 3 * layers <= report.count("all-reduce") - xla_report.count("all-reduce") <= 3 * layers + 2
+    assert 0 <= report.comm_bytes - xla_report.comm_bytes - ungrouped - embedding <= 16, (report.collectives,
+                                                                                        xla_report.collectives)
 
 def activation_traffic(colls):
     """Float all-reduces and all-gathers: (kind, count, bytes)."""

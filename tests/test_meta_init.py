@@ -1,11 +1,7 @@
 """Sharded initialisation: an HF model built on ``meta`` initialises with its own ``_init_weights``
-straight into its sharded layout, and loads a safetensors checkpoint in place with host staging
-bounded by the model's size (peak RSS measured in a fresh subprocess)."""
-import json
-import os
-import subprocess
-import sys
-
+straight into its sharded layout (element-wise inits replayed per device block), and loads a
+safetensors checkpoint in place with host memory near one tensor (peak RSS measured in fresh
+processes by ``bench.meta_init``)."""
 import torch
 import torch_xla
 
@@ -15,7 +11,6 @@ from xla_tp.zoo.registry import build, example_input, run
 
 from .helpers import expected_sharding, sharding
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_meta_hf_llama_initialises_with_its_own_init_weights():
@@ -36,62 +31,58 @@ def test_meta_hf_llama_initialises_with_its_own_init_weights():
     assert torch.isfinite(run(model, example_input("llama").to(torch_xla.device())).cpu()).all()
 
 
-RSS_CHILD = r"""
-import json, sys, time
-import torch, torch_xla, transformers, xla_tp
+class _Mixed(torch.nn.Module):
+    """Inits of every kind: element-wise (Linear's kaiming bound from its whole fan-in), a padding
+    row zeroed (Embedding), a table computed and assigned (``reset_parameters`` below)."""
 
-def status(field):
-    for line in open("/proc/self/status"):
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 32, padding_idx=3)
+        self.proj = torch.nn.Linear(32, 48)
+        self.register_buffer("table", torch.empty(8, 4))
 
-mesh = xla_tp.make_mesh(fsdp=2, model=4)
-config = transformers.LlamaConfig.from_pretrained(sys.argv[1])
-with torch.device("meta"):
-    model = transformers.LlamaForCausalLM(config)
-open("/proc/self/clear_refs", "w").write("5")   # peak RSS counts from here
-baseline = status("VmRSS")
-start = time.perf_counter()
-xla_tp.parallelize_xla(model, "auto", mesh=mesh)   # sharded, initialised on the device by HF's own init
-torch_xla.sync(wait=True)
-init_peak, before_load = status("VmHWM"), status("VmRSS")
-open("/proc/self/clear_refs", "w").write("5")
-xla_tp.load_checkpoint(sys.argv[1], model)
-torch_xla.sync(wait=True)
-seconds = time.perf_counter() - start
-model_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-print(json.dumps({"baseline": baseline, "init_peak": init_peak, "before_load": before_load,
-                  "peak": status("VmHWM"), "model_bytes": model_bytes, "seconds": seconds,
-                  "largest": max(t.numel() * t.element_size() for t in model.state_dict().values()),
-                  "checksum": float(model.model.layers[3].mlp.down_proj.weight.double().sum().cpu())}))
-"""
+    def reset_parameters(self):
+        self.table = torch.arange(32.0, device=self.table.device).view(8, 4)
+
+    def forward(self, ids):
+        return self.proj(self.emb(ids)) + self.table.sum()
 
 
-def test_meta_model_loads_a_few_hundred_mb_with_little_host_memory(tmp_path):
-    import transformers
-    config = transformers.LlamaConfig(hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
-                                      num_attention_heads=12, num_key_value_heads=12, vocab_size=8192)
-    torch.manual_seed(0)
-    source = transformers.LlamaForCausalLM(config)
-    source.save_pretrained(str(tmp_path))
-    checksum = float(source.model.layers[3].mlp.down_proj.weight.double().sum())
-    del source
-    env = {k: os.environ[k] for k in ("PATH", "HOME", "PJRT_DEVICE", "CPU_NUM_DEVICES") if k in os.environ}
-    out = subprocess.run([sys.executable, "-c", RSS_CHILD, str(tmp_path)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    m = json.loads(out.stdout.strip().splitlines()[-1])
-    assert abs(m["checksum"] - checksum) < 1e-6 * max(1.0, abs(checksum))  # the file's values were loaded
-    assert m["model_bytes"] > 200e6, m
-    # On CPU the 8 "devices" live in host memory, so the sharded model itself is model_bytes of RSS.
-    # The load replaces it in place, tensor by tensor: what it adds on top is host staging. Loading a
-    # state dict the usual way stages the whole model (from_pretrained, load_state_dict) and more.
-    staging = m["peak"] - m["before_load"]
-    print(f"meta init + load of {m['model_bytes'] / 1e6:.0f} MB ({m['seconds']:.1f} s): RSS baseline "
-          f"{m['baseline'] / 1e6:.0f} MB, peak during init {m['init_peak'] / 1e6:.0f} MB, before load "
-          f"{m['before_load'] / 1e6:.0f} MB, peak during load {m['peak'] / 1e6:.0f} MB: load staging "
-          f"{staging / 1e6:.0f} MB, largest tensor {m['largest'] / 1e6:.0f} MB")
-    assert m["init_peak"] - m["baseline"] < 2.5 * m["model_bytes"], m  # init: no whole-model temporaries
-    # Target: below half the model. Measured here: 1.1-1.5x (glibc keeps freed transfer buffers, and
-    # replaced device buffers are released late); this bound guards against whole-model staging.
-    assert staging < 2 * m["model_bytes"], m
+def test_meta_init_replays_elementwise_inits_per_block_and_runs_others_whole():
+    from xla_tp.backends import init
+    from xla_tp import ColwiseParallel, RowwiseParallel
+    with torch.device("meta"):
+        model = _Mixed()
+    slots = lambda mod, *names: [(mod._parameters, n, getattr(mod, n)) for n in names]
+    recipes = init._record(model, "proj", slots(model.proj, "weight", "bias"))
+    assert [[str(f) for f, *_ in r] for r in recipes] == [["aten.uniform_.default"]] * 2
+    assert init._record(model, "emb", slots(model.emb, "weight")) == [None]  # the padding row: not element-wise
+    assert init._record(model, "", [(model._buffers, "table", model.table)]) == [None]  # assigned
+    mesh = xla_tp.make_mesh(model=8)
+    xla_tp.parallelize_xla(model, {"proj": RowwiseParallel(), "emb": ColwiseParallel()}, mesh=mesh)
+    assert sharding(model.proj.weight) == expected_sharding((48, 32), mesh, (None, "model"))
+    weight, bound = model.proj.weight.cpu(), 1 / 32 ** 0.5  # fan-in 32, not a block's 4
+    assert weight.abs().max() <= bound and weight.abs().max() > 0.9 * bound
+    assert weight.std() > 0.5 * bound / 3 ** 0.5  # each block drawn, none left zero
+    assert all(weight[:, i:i + 4].abs().sum() > 0 for i in range(0, 32, 4))
+    emb = model.emb.weight.cpu()
+    assert torch.equal(emb[3], torch.zeros(32)) and 0.8 < emb.std() < 1.2
+    assert torch.equal(model.table.cpu(), torch.arange(32.0).view(8, 4))
+
+
+def test_bench_meta_init_and_lazy_load_need_little_host_memory():
+    """The meta-init peak-RSS test: a model of a few hundred MB, built on meta, parallelized, then
+    loaded lazily from safetensors, each in a fresh process (``bench.meta_init``)."""
+    from bench.meta_init import measure
+    result = measure("test", layers=8, routes=("meta", "load"), audit=False)
+    meta, load = result["rows"]["meta"], result["rows"]["load"]
+    assert meta["model_bytes"] > 200e6 and meta["device_bytes"] >= meta["model_bytes"], meta
+    assert load["checksum"] == meta["checksum"]  # what the meta route initialised and exported was loaded
+    for row in (meta, load):
+        print(f"{row['route']}: {row['model_bytes'] / 1e6:.0f} MB in {row['seconds']:.1f} s, host peak "
+              f"{row['host_peak'] / 1e6:.0f} MB (model {row['host_peak_over_model']:.2f}, device share "
+              f"{row['host_peak_over_device_share']:.2f}, largest tensor {row['host_peak_over_largest_tensor']:.2f})")
+        # below half the model, as the issue asks; near one device's share (measured 1.4-1.6 here,
+        # a fixed ~20 MB of runtime caches included); a whole-model staging would be 1.0 of the model.
+        assert row["host_peak"] < 0.5 * row["model_bytes"], row
+        assert row["host_peak"] < 2.5 * row["device_share_bytes"], row

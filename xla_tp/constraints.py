@@ -212,9 +212,14 @@ def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh, replacin
             delattr(mod, _HANDLES)
     constrain = _Constrainer(mesh, layout)
     constrain.checks = False
+    # the batch's split first, then the root's own layouts (a sequence-parallel root refines it)
+    entry = [root.register_forward_pre_hook(entry_hook(constrain), with_kwargs=True)] if layout.batch_axes else []
+    if entry:
+        tag, handles = getattr(root, _HANDLES, (layout, []))
+        setattr(root, _HANDLES, (tag, [*handles, *entry]))
     for fqn, ml in layout.modules.items():
         mod = root.get_submodule(fqn) if fqn else root
-        handles = module_hooks(mod, _pruned(ml), constrain)
+        handles = [*getattr(mod, _HANDLES, (None, []))[1], *module_hooks(mod, _pruned(ml), constrain)]
         if any(ml.inputs) or any(ml.kwarg_inputs.values()) or any(ml.outputs):
             first = _FirstForward(ml, constrain)
             first.handles = [mod.register_forward_pre_hook(first.pre, with_kwargs=True),
@@ -222,9 +227,6 @@ def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh, replacin
             handles += first.handles
         if handles:
             setattr(mod, _HANDLES, (layout, handles))
-    if layout.batch_axes:
-        tag, handles = getattr(root, _HANDLES, (layout, []))
-        setattr(root, _HANDLES, (tag, [*handles, root.register_forward_pre_hook(entry_hook(constrain), with_kwargs=True)]))
 
 
 def module_hooks(mod: nn.Module, ml: ModuleLayout, constrain: _Constrainer) -> list[Any]:

@@ -1,9 +1,9 @@
 """Put every parameter and buffer of a module on the XLA device with its sharding.
 
-CPU tensors are copied over; ``meta`` tensors become lazy XLA tensors, are annotated, and are
-then initialised by their module's own init (``backends.init``: a Hugging Face model's
-``_init_weights``, else ``reset_parameters()``), one module per program, so the values are created
-sharded, on the device, without the model ever existing whole on the host or on a device.
+CPU tensors are copied over; ``meta`` tensors become XLA tensors with their sharding and no values
+yet, and are then initialised by their module's own init (``backends.init``: a Hugging Face
+model's ``_init_weights``, else ``reset_parameters()``), run on the host one module at a time and
+written into each device's block, so the model never exists whole on the host or on a device.
 Tied parameters stay tied. Each sharded parameter remembers its sharding for the optimizer
 guard (``xla_tp.guard``).
 
@@ -23,7 +23,7 @@ from torch import nn
 from ..guard import SHARDING_ATTR, forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
 from . import ShardFn
-from .init import initializer
+from .init import initialise_on_host
 
 
 def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn,
@@ -35,6 +35,7 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
     device = torch_xla.device()
     memo: dict[int, torch.Tensor] = {}
     to_init: dict[str, None] = {}
+    fresh: set[int] = set()  # ids of the XLA tensors made for meta tensors
     for mfqn, mod in module.named_modules(remove_duplicate=False):
         had_meta = False
         for name, p in list(mod._parameters.items()):
@@ -44,6 +45,8 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
                 had_meta |= p.is_meta
                 fqn = f"{mfqn}.{name}" if mfqn else name
                 memo[id(p)] = _place_param(p, fqn, specs.get(fqn), mesh, shard, device, fqn in stale)
+                if p.is_meta:
+                    fresh.add(id(memo[id(p)]))
             mod._parameters[name] = memo[id(p)]
         for name, b in list(mod._buffers.items()):
             if b is None:
@@ -51,22 +54,15 @@ def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, sh
             if id(b) not in memo:
                 had_meta |= b.is_meta
                 memo[id(b)] = _to_device(b, device)
+                if b.is_meta:
+                    fresh.add(id(memo[id(b)]))
             mod._buffers[name] = memo[id(b)]
         if had_meta:
             to_init.setdefault(mfqn)
     for mfqn in to_init:
-        _initialise(module, mfqn)
-    torch_xla.sync()
-
-
-def _initialise(root: nn.Module, fqn: str) -> None:
-    """Run one module's init and execute it on its own. Random init is not partitioned by GSPMD
-    (each device draws the whole tensor, then keeps its shard): one module per program keeps that
-    temporary at one module's tensors instead of the whole model's."""
-    with torch.no_grad():
-        initializer(root, fqn)()
-    for p in root.get_submodule(fqn).parameters(recurse=False):
-        restore_sharding(p)  # an in-place init may leave the parameter replicated
+        initialise_on_host(module, mfqn, fresh)
+        for p in module.get_submodule(mfqn).parameters(recurse=False):
+            restore_sharding(p)  # an init that updates a tensor on the device may leave it replicated
     torch_xla.sync()
 
 

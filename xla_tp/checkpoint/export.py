@@ -25,6 +25,8 @@ import torch
 import torch_xla
 from torch import nn
 
+from ..backends.host import read_to_host
+
 log = logging.getLogger(__name__)
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
@@ -86,14 +88,14 @@ def _host_tensors(model: nn.Module, keys: list[str]) -> Iterator[tuple[str, torc
     state = model.state_dict()
     torch_xla.sync()  # hooks' re-layouts become device data in one program, not one per tensor
     for key in keys:
-        yield key, state[key].detach().to("cpu").contiguous()
+        yield key, read_to_host(state[key])
 
 
 def host_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with every tensor copied to the host (whole model in host memory)."""
     state = model.state_dict()
     torch_xla.sync()
-    return {k: v.detach().to("cpu") for k, v in state.items()}
+    return {k: read_to_host(v) for k, v in state.items()}
 
 
 def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:

@@ -3,11 +3,13 @@
 The checkpoint's names and shapes are compared with the model's ``state_dict`` (and the
 optimizer's parameters) first: a checkpoint of another model or shape is refused with every
 mismatching name and shape, and the model and optimizer stay as they were. Each device then reads
-only the pieces of its own shards (torch_xla's ``SPMDLoadPlanner``), whatever mesh and plan wrote
-them: a checkpoint saved on ``fsdp=2, model=4`` loads on ``model=8`` or ``data=4, model=2``.
-Parameters are loaded in place; re-laid ones and optimizer states go through the model's
-``load_state_dict`` and keep their shardings. Safetensors weights (a file or a Hugging Face
-checkpoint directory) load the same way (``safetensors.SafetensorsReader``). Example::
+only the pieces of its own shards (torch_xla's ``SPMDLoadPlanner``, without its read-back of the
+values being replaced: ``planner.ShardLoadPlanner``), whatever mesh and plan wrote them: a
+checkpoint saved on ``fsdp=2, model=4`` loads on ``model=8`` or ``data=4, model=2``. Parameters
+are loaded in place; re-laid ones and optimizer states go through the model's ``load_state_dict``
+and keep their shardings. Safetensors weights (a file or a Hugging Face checkpoint directory) are
+checked the same way, then written tensor by tensor, each device's block read straight from the
+file (``safetensors.SafetensorsSource``). Example::
 
     step = xla_tp.load_checkpoint("ckpt", model, opt)      # the newest complete step under ckpt/
 """
@@ -28,9 +30,11 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
 from ..errors import CheckpointError
+from ..backends.host import release_host_memory, write_from_host
 from ..guard import restore_sharding
 from .layout import GROUPS, MODEL, STATE, param_names, shard_like, swapped
-from .safetensors import SafetensorsReader, safetensors_files
+from .safetensors import SafetensorsSource, safetensors_files
+from .planner import ShardLoadPlanner
 from .store import resolve
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         if optimizer is not None:
             raise CheckpointError(f"{path!r} holds safetensors weights only; load the optimizer from an "
                                   f"xla_tp checkpoint, or call load_checkpoint without it")
-        step, directory, prefix, reader = None, os.fspath(path), "", SafetensorsReader(files)
+        step, directory, prefix, reader = None, os.fspath(path), "", SafetensorsSource(files)
     else:
         step, directory = resolve(path)
         prefix, reader = MODEL, dcp.FileSystemReader(directory)
@@ -69,8 +73,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         md = meta[key]
         laid_out = isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(live[param_names(model)[id(param)]].shape)
         targets[key] = _empty_like_entry(md, param) if laid_out else _placeholder(md)
-    torch_xla.sync(wait=True)  # targets become device data before the planner reads their shards
-    dcp.load(targets, storage_reader=reader, planner=SPMDLoadPlanner(), no_dist=not dist.is_initialized())
+    torch_xla.sync(wait=True)  # targets become device data, whose shards are then replaced
+    if isinstance(reader, SafetensorsSource):
+        _write_each(reader, targets)
+    else:
+        dcp.load(targets, storage_reader=reader, planner=ShardLoadPlanner(), no_dist=not dist.is_initialized())
     relaid = {k: targets[prefix + k] for k, v in live.items() if targets[prefix + k] is not v}
     if relaid:
         model.load_state_dict(relaid, strict=False)
@@ -81,6 +88,17 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     torch_xla.sync()
     log.info("xla_tp: loaded step %s from %s in %.1f s", step, directory, time.perf_counter() - start)
     return step
+
+
+def _write_each(source: SafetensorsSource, targets: dict[str, torch.Tensor]) -> None:
+    """Write every tensor of ``source`` into its target, one at a time, reporting progress."""
+    last = time.perf_counter()
+    for n, (name, target) in enumerate(targets.items(), 1):
+        write_from_host(target, lambda blocks: source.read(name, blocks))
+        release_host_memory()
+        if time.perf_counter() - last > 10:
+            last = time.perf_counter()
+            log.info("xla_tp: loaded %d of %d tensors", n, len(targets))
 
 
 def _saved_entries(state: dict, meta: dict, prefix: str) -> dict:

@@ -31,7 +31,7 @@ def _first_forward(tp: int):
         from ..plan.applied import layout_of
         if not args or getattr(args[0], "device", None) is None or args[0].device.type != "xla":
             return
-        _uninstall_swaps(model)
+        _uninstall_found(model)
         layout = layout_of(model)  # every parallelize call on model, merged
         if layout is None:
             return
@@ -43,7 +43,7 @@ def _first_forward(tp: int):
     return find
 
 
-def _uninstall_swaps(model: nn.Module) -> None:
+def _uninstall_found(model: nn.Module) -> None:
     uninstall_groups(model)
     uninstall_embeddings(model)
 
@@ -51,7 +51,7 @@ def _uninstall_swaps(model: nn.Module) -> None:
 def uninstall(model: nn.Module) -> None:
     """Take the lowering off ``model`` and its submodules."""
     scope.uninstall(model)
-    _uninstall_swaps(model)
+    _uninstall_found(model)
 
 
 __all__ = ["install", "packed_sites", "uninstall", "use_flash_attention"]

@@ -7,7 +7,9 @@ vocabulary times the hidden size, where Megatron reduces one device's rows over 
 over nothing without one). ``VocabEmbedding`` writes the weight gradient as a scatter batched over
 the model axis: ``grad[t, id - t * rows] += dy`` for the ids in device ``t``'s rows, indexed by an
 iota over ``t``, into a gradient laid out ``[t, rows, hidden]`` split on ``t`` like the weight's rows,
-which the partitioner then keeps on device ``t``. Example::
+which the partitioner then keeps on device ``t``. ``install_embedding`` marks the table's weight;
+``F.embedding`` (wrapped by ``patches``) looks a marked table up this way inside a parallelized
+forward. Example::
 
     install_embedding(model.embed_tokens, tp=4, mesh=mesh, spec=("model", None))
     h = model.embed_tokens(ids)     # same values; its weight gradient is reduced over the data axis only
@@ -19,14 +21,11 @@ from typing import Any, Optional
 
 import torch
 import torch_xla.distributed.spmd as xs
-import torch.nn.functional as F
 from torch import nn
 
 from .. import dynamo
-from ..guard import SHARDING_ATTR
-from .swap import restore, swap
 
-ATTR = "_xla_tp_vocab"  # on a swapped nn.Embedding: its VocabSplit
+ATTR = "_xla_tp_vocab"  # on a vocabulary-split embedding weight: its VocabSplit
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ class VocabEmbedding(torch.autograd.Function):
                 weight: torch.Tensor) -> torch.Tensor:
         ctx.split, ctx.padding_idx, ctx.table = split, padding_idx, tuple(weight.shape)
         ctx.save_for_backward(ids)
-        return F.embedding(ids, weight, padding_idx)
+        return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx)  # F.embedding is wrapped
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
@@ -68,27 +67,31 @@ class VocabEmbedding(torch.autograd.Function):
         return None, None, None, grad.reshape(vocab, width)
 
 
-def _vocab_forward(self: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    # the JAX backend differentiates the forward itself; a weight swapped in for the call (the audit's
-    # unsharded program, functional_call) is not the sharded table
-    if ids.device.type != "xla" or getattr(self.weight, SHARDING_ATTR, None) is None:
-        return F.embedding(ids, self.weight, self.padding_idx)
-    return VocabEmbedding.apply(getattr(self, ATTR), self.padding_idx, ids, self.weight)
+def lookup(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int] = None, max_norm: Any = None,
+           norm_type: float = 2.0, scale_grad_by_freq: bool = False, sparse: bool = False) -> Any:
+    """``F.embedding`` of a vocabulary-split table (inside a parallelized forward); NotImplemented for
+    anything else: a table ``install_embedding`` did not mark (a tensor swapped in for the call, the
+    audit's unsharded program), ids not on an XLA device (the JAX backend differentiates the forward
+    itself), max_norm, frequency scaling or sparse gradients."""
+    split = getattr(weight, ATTR, None)
+    if split is None or ids.device.type != "xla" or max_norm is not None or scale_grad_by_freq or sparse:
+        return NotImplemented
+    return VocabEmbedding.apply(split, padding_idx, ids, weight)
 
 
 def lowerable(module: nn.Module, tp: int) -> bool:
-    """A plain ``nn.Embedding`` (no max_norm, frequency scaling or sparse gradient) whose rows ``tp``
-    divides."""
-    return (isinstance(module, nn.Embedding) and module.num_embeddings % tp == 0 and module.max_norm is None
-            and not module.scale_grad_by_freq and not module.sparse)
+    """An ``nn.Embedding`` (or a subclass, such as Gemma's scaled one, that looks up through
+    ``F.embedding``) whose rows ``tp`` divides."""
+    return isinstance(module, nn.Embedding) and module.num_embeddings % tp == 0
 
 
 def install_embedding(module: nn.Embedding, tp: int, mesh: xs.Mesh, spec: tuple) -> None:
-    """Swap ``module``'s forward for the vocabulary-parallel one (its weight laid out as ``spec``)."""
+    """Mark ``module``'s weight (laid out as ``spec``) as a vocabulary-split table."""
     dynamo.name(mesh)  # for torch.compile
-    swap(module, ATTR, VocabSplit(tp, mesh, tuple(spec)), _vocab_forward)
+    setattr(module.weight, ATTR, VocabSplit(tp, mesh, tuple(spec)))
 
 
 def uninstall_embeddings(model: nn.Module) -> None:
-    """Give every swapped embedding of ``model`` its own forward back."""
-    restore(model, ATTR)
+    """Unmark every table of ``model``."""
+    for p in model.parameters():
+        vars(p).pop(ATTR, None)

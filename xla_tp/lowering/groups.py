@@ -18,6 +18,7 @@ output nobody reads is dead code the compiler drops). Example::
 """
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -26,7 +27,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import scope
-from .swap import restore, swap
 
 ATTR = "_xla_tp_group"  # on a member module: its ColumnGroup
 
@@ -93,18 +93,24 @@ def _grouped_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def groupable(module: nn.Module, tp: int) -> bool:
-    """An ``nn.Linear`` whose output rows ``tp`` divides (the group lays them out device-major)."""
-    return isinstance(module, nn.Linear) and module.out_features % tp == 0
+    """An ``nn.Linear`` with its class's own forward (not a LoRA or quantized subclass) whose output rows
+    ``tp`` divides (the group lays them out device-major)."""
+    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+            and module.out_features % tp == 0)
 
 
 def install_group(members: Sequence[nn.Linear], tp: int) -> ColumnGroup:
     """Swap each member's ``forward`` for the grouped one; returns the group (idempotent per member)."""
     group = ColumnGroup(members, tp)
     for m in members:
-        swap(m, ATTR, group, _grouped_forward)
+        setattr(m, ATTR, group)
+        m.forward = types.MethodType(_grouped_forward, m)
     return group
 
 
 def uninstall_groups(model: nn.Module) -> None:
     """Give every grouped member of ``model`` its own forward back."""
-    restore(model, ATTR)
+    for m in model.modules():
+        if ATTR in vars(m):
+            delattr(m, ATTR)
+            vars(m).pop("forward", None)

@@ -22,7 +22,11 @@ from torch.overrides import TorchFunctionMode, resolve_name
 from . import packed
 
 _state = threading.local()
-GETITEM = torch._C.TensorBase.__getitem__  # what the mode sees for x[i] (torch.Tensor's may be wrapped)
+GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see patches' wrapper of it instead
+
+
+def _is_getitem(func: Callable) -> bool:
+    return func is GETITEM or getattr(func, "__wrapped__", None) is GETITEM
 
 
 class Lowering(TorchFunctionMode):
@@ -57,7 +61,7 @@ class Lowering(TorchFunctionMode):
         if ranges is not None:
             got = packed.pieces(tensor, packing, ranges)
             if got is not None:
-                return got[0] if func in (GETITEM, torch.Tensor.narrow) else tuple(got)
+                return got[0] if func is torch.Tensor.narrow or _is_getitem(func) else tuple(got)
         if func in _KEEPS_LAST:
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.shape[-1] == tensor.shape[-1]:
@@ -114,7 +118,7 @@ def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor) -> Optional[
     if func is torch.Tensor.narrow:
         dim, start, length = args[1:4]
         return [(start % n, start % n + length)] if on_last(dim) else None
-    if func is GETITEM:
+    if _is_getitem(func):
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if Ellipsis in index:
             i = index.index(Ellipsis)

@@ -1,9 +1,10 @@
 """The attention entry points, rewritten inside a parallelized forward (and only there).
 
 ``F.scaled_dot_product_attention``, ``torch.matmul`` / ``Tensor.matmul`` / ``@``,
-``F.multi_head_attention_forward`` and ``F.layer_norm`` are wrapped once, process-wide, when the
+``F.multi_head_attention_forward``, ``F.layer_norm`` and ``F.embedding`` (a vocabulary-split table's
+per-device weight gradient, ``embedding``) are wrapped once, process-wide, when the
 first model is parallelized. The wrapper costs a Python call and one thread-local read; outside a
-parallelized forward (``scope.depth() == 0``), or on non-XLA tensors, it calls the original
+parallelized forward (``scope.lowering()`` false), or on non-XLA tensors, it calls the original
 untouched. Inside, on XLA tensors (torch_xla's, or torchax's when the JAX backend traces), it calls
 the head-visible version from ``attention``. ``Tensor.__getitem__`` is wrapped too: torch_xla 2.9
 raises ``Value out of range`` for a slice bound past a dimension (``x[..., -4095:, :]`` on 16 rows,
@@ -23,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from . import attention, scope
+from . import attention, embedding, scope
 
 _INSTALLED: dict[tuple[Any, str], Callable] = {}
 
@@ -100,7 +101,7 @@ def _wrap(owner: Any, name: str, lowered: Callable[..., Any]) -> None:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        if scope.depth():
+        if scope.lowering():
             out = lowered(*args, **kwargs)
             if out is not NotImplemented:
                 return out
@@ -116,7 +117,7 @@ def _getitem_wrapper(original: Callable) -> Callable:
         try:
             return original(self, index)
         except RuntimeError as error:
-            if not (scope.depth() and _is_xla(self) and "out of range" in str(error)):
+            if not (scope.lowering() and _is_xla(self) and "out of range" in str(error)):
                 raise
             fixed = clamp_slices(index, tuple(self.shape))
             if fixed is None:
@@ -131,7 +132,8 @@ def install() -> None:
         return
     for owner, name, lowered in ((F, "scaled_dot_product_attention", _sdpa), (torch, "matmul", _matmul),
                                  (torch.Tensor, "matmul", _matmul), (torch.Tensor, "__matmul__", _matmul),
-                                 (F, "multi_head_attention_forward", _mha), (F, "layer_norm", _layer_norm)):
+                                 (F, "multi_head_attention_forward", _mha), (F, "layer_norm", _layer_norm),
+                                 (F, "embedding", embedding.lookup)):
         _wrap(owner, name, lowered)
     _INSTALLED[(torch.Tensor, "__getitem__")] = torch.Tensor.__getitem__
     torch.Tensor.__getitem__ = _getitem_wrapper(torch.Tensor.__getitem__)

@@ -9,8 +9,9 @@ always called, so an exception never leaves anything entered):
   mode is entered while it runs. The mode costs a Python call on every torch op it sees, so it
   sees only the sites' ops.
 
-``depth()`` says whether this thread is inside a parallelized forward (the attention wrappers of
-``patches`` act only there). Example::
+``depth()`` says whether this thread is inside a parallelized forward; ``lowering()`` whether the
+attention wrappers of ``patches`` act (there, and in a backward pass: recomputed checkpointed
+blocks). Example::
 
     install(model, {"transformer.h.0.attn", "transformer.h.1.attn"})
     depth()          # 0 outside any parallelized forward
@@ -39,6 +40,13 @@ def _get(name: str, default: Any) -> Any:
 def depth() -> int:
     """How many parallelized roots this thread is inside (1 in the outermost one's own hooks)."""
     return _get("depth", 0)
+
+
+def lowering() -> bool:
+    """Whether the forward running now is lowered: inside a parallelized forward, or in a backward
+    pass (activation checkpointing recomputes a block's forward there, outside any root's hooks,
+    and must record what the original forward recorded)."""
+    return depth() > 0 or torch._C._current_graph_task_id() != -1
 
 
 def on_exit(callback: Callable[[], None]) -> None:
