@@ -8,8 +8,8 @@ Hooks run on every traced step (a Python autograd Function and a copy each), so 
 what the compiler does not already know is installed (``runtime_chain``): of a redistribution, the
 layout it goes to; of a single layout, nothing when the module's weights imply it (a column-parallel
 Linear's replicated input, a row-parallel one's split input and reduced output). A split output
-stays: it may leave the program (logits under loss parallelism), where nothing else would keep it
-split. What the plan spells out beyond that (sequence-parallel layouts, a gathered output) stays. The
+stays (it may leave the program: logits under loss parallelism, where nothing else keeps them split)
+unless the module joins a column group (``drop_implied_output``): q/k/v or gate/up outputs stay inside. What the plan spells out beyond that (sequence-parallel layouts, a gathered output) stays. The
 batch enters split over the data axes: the outermost parallelized module constrains its first
 input (``entry_hook``). The audit still reads the full chains, and each chain's dimensions are
 checked against its tensor at the first forward. Example::
@@ -34,6 +34,7 @@ from .lowering import scope
 from .plan.layout import Chain, Layout, ModuleLayout, activation_spec
 
 _HANDLES = "_xla_tp_hooks"  # on each hooked module: (layout that installed them, handles)
+_IMPLIED_OUTPUT = "_xla_tp_implied_output"  # on a column-parallel module: its output hook's handle
 
 
 class ShardingConstraint(torch.autograd.Function):
@@ -219,7 +220,11 @@ def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh, replacin
         setattr(root, _HANDLES, (tag, [*handles, *entry]))
     for fqn, ml in layout.modules.items():
         mod = root.get_submodule(fqn) if fqn else root
-        handles = [*getattr(mod, _HANDLES, (None, []))[1], *module_hooks(mod, _pruned(ml), constrain)]
+        pruned = _pruned(ml)
+        handles = [*getattr(mod, _HANDLES, (None, []))[1], *module_hooks(mod, pruned, constrain)]
+        vars(mod).pop(_IMPLIED_OUTPUT, None)
+        if isinstance(pruned.natural_output, Shard) and pruned.outputs == ((pruned.natural_output,),):
+            setattr(mod, _IMPLIED_OUTPUT, handles[-1])  # module_hooks adds the output hook last
         if any(ml.inputs) or any(ml.kwarg_inputs.values()) or any(ml.outputs):
             first = _FirstForward(ml, constrain)
             first.handles = [mod.register_forward_pre_hook(first.pre, with_kwargs=True),
@@ -227,6 +232,14 @@ def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh, replacin
             handles += first.handles
         if handles:
             setattr(mod, _HANDLES, (layout, handles))
+
+
+def drop_implied_output(mod: nn.Module) -> None:
+    """Take off ``mod``'s output constraint if it only restates its weights' split (a column-parallel
+    output); for modules whose output never leaves the program (column-group members)."""
+    handle = vars(mod).pop(_IMPLIED_OUTPUT, None)
+    if handle is not None:
+        handle.remove()
 
 
 def module_hooks(mod: nn.Module, ml: ModuleLayout, constrain: _Constrainer) -> list[Any]:

@@ -118,10 +118,12 @@ def groupable(module: nn.Module, tp: int) -> bool:
 
 def install_group(members: Sequence[nn.Linear], tp: int) -> ColumnGroup:
     """Swap each member's ``forward`` for the grouped one; returns the group (idempotent per member)."""
+    from ..constraints import drop_implied_output  # constraints imports this package
     group = ColumnGroup(members, tp)
     for m in members:
         setattr(m, ATTR, group)
         m.forward = types.MethodType(_grouped_forward, m)
+        drop_implied_output(m)  # its output stays inside the program: the weights' split says it all
     return group
 
 
