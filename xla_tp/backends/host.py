@@ -89,6 +89,8 @@ def read_to_host(t: torch.Tensor) -> torch.Tensor:
     if not is_tiled(t):
         return t.detach().cpu()
     out = torch.empty(t.shape, dtype=t.dtype)
+    torch_xla.sync()  # a pending computation of t runs now
+    torch_xla._XLAC._xla_wait_device_ops(devices=[])  # reading a buffer an async op still fills fails
     shards = torch_xla._XLAC._get_local_shards([t])[0]
     indices = torch_xla._XLAC._get_local_shard_replica_and_indices([t])[0]
     done: set = set()
