@@ -138,6 +138,3 @@ def install() -> None:
     _INSTALLED[(torch.Tensor, "__getitem__")] = torch.Tensor.__getitem__
     torch.Tensor.__getitem__ = _getitem_wrapper(torch.Tensor.__getitem__)
 
-
-def installed() -> bool:
-    return bool(_INSTALLED)
