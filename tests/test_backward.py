@@ -15,8 +15,10 @@ import xla_tp
 from xla_tp import lowering
 from xla_tp.audit.capture import capture_partitioned_hlo
 from xla_tp.audit.hlo import parse_collectives
+from xla_tp.constraints import annotated_copy
 from xla_tp.lowering.embedding import install_embedding
 from xla_tp.lowering.groups import install_group
+from xla_tp.lowering.tied import install_tie
 from xla_tp.zoo import registry
 from xla_tp.zoo.cuda_llama import CudaLlama, sp_plan_calls
 from xla_tp.zoo.llama import LlamaArgs
@@ -65,6 +67,17 @@ def test_qwen3_training_step_adds_only_its_head_norm_gradients():
 def test_training_step_on_a_2x4_mesh_is_at_the_audits_minimum(name):
     """With a data axis every parameter gradient is reduced once over it, at its local size."""
     assert _audit(name, data=2).comm_ratio == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("name", ["gpt2", "bert"])
+def test_tied_embeddings_on_a_2x4_mesh_reduce_their_gradient_once(name):
+    """GPT-2 and BERT read one table in the embedding and the LM head: one all-reduce of its gradient
+    over the data axis, as for any parameter. The bytes are below the minimum, which counts every
+    table whole: XLA reduces only the position rows a 16-token sequence touches."""
+    report = _audit(name, data=2)
+    assert report.count("all-reduce") == report.expected["all-reduce"]["count"], report
+    assert report.count("all-gather") == 0, report
+    assert 0.85 < report.comm_ratio <= 1.0, report
 
 
 def test_cuda_style_llama_under_the_sp_plan_trains_at_the_sp_minimum():
@@ -129,3 +142,39 @@ def test_a_vocabulary_parallel_embedding_reduces_one_devices_rows_over_the_data_
     assert [(c.kind, math.prod(c.shape)) for c in found] == [("all-reduce", 32 * 64)], found  # one device's rows
     (want,) = torch.autograd.grad(ref(ids), [ref.weight], dy)
     assert max_err(grad, want) < 1e-4
+
+
+class TiedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = torch.nn.Embedding(128, 64), torch.nn.Linear(64, 128, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.emb(ids)))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_tied_table_reads_one_stack_and_reduces_its_gradient_once(mesh, tied):
+    """An embedding and an LM head reading one vocabulary-split weight: with a ``Tie``, the weight's
+    gradient is one all-reduce over the data axis of one device's rows (two without); values as on
+    the CPU either way."""
+    torch.manual_seed(0)
+    ref = TiedLM()
+    ids, target = torch.randint(0, 128, (4, 16)), torch.randn(4, 16, 128)
+    model = copy.deepcopy(ref).to(torch_xla.device())
+    model.head.weight = model.emb.weight  # moving a module to the XLA device unties it
+    xs.mark_sharding(model.emb.weight, mesh, ("model", None))
+    lowering.install(model, set(), tp=4, groups=False)  # its forward is a parallelized one
+    install_embedding(model.emb, tp=4, mesh=mesh, spec=("model", None))
+    if tied:
+        install_tie(model.emb, [model.head], axes="data", replicas=2)
+    xids, xtarget = ids.to(torch_xla.device()), target.to(torch_xla.device())
+    xs.mark_sharding(xids, mesh, ("data", None))
+    xs.mark_sharding(xtarget, mesh, ("data", None, "model"))
+    (grad,) = torch.autograd.grad((model(xids) * xtarget).sum(), [model.emb.weight])
+    laid_out = annotated_copy(grad, mesh, ("model", None))  # as a parameter's gradient is
+    over_data = [(c.kind, math.prod(c.shape)) for c in _collectives([laid_out]) if len(c.replica_groups[0]) == 2]
+    assert over_data == [("all-reduce", 32 * 64)] * (1 if tied else 2), over_data
+    (want,) = torch.autograd.grad((ref(ids) * target).sum(), [ref.emb.weight])
+    assert max_err(grad, want) < 1e-3

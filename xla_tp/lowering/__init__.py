@@ -3,8 +3,8 @@
 ``install(model, sites, tp)`` puts it in place: attention with visible heads, spelled-out LayerNorm
 and clamped slices inside any parallelized forward (``patches``, ``attention``), re-laid packed
 projections read in place at their ``sites`` (``mode``, ``packed``), column groups with one fused
-input gradient and vocabulary-parallel embeddings with per-device weight gradients, found at the
-first forward (``groups``, ``embedding``, ``sites``), and the per-forward cleanup (``scope``). Example::
+input gradient and vocabulary-parallel embeddings with per-device weight gradients (reduced once
+with a tied LM head's), found at the first forward (``groups``, ``embedding``, ``tied``, ``sites``), and the per-forward cleanup (``scope``). Example::
 
     install(model, packed_sites(model), tp=4)
 """
@@ -17,7 +17,8 @@ from . import patches, scope
 from .attention import use_flash_attention
 from .embedding import install_embedding, uninstall_embeddings
 from .groups import install_group, uninstall_groups
-from .sites import packed_sites, trace_groups, vocab_tables
+from .sites import batch_replicas, packed_sites, trace_groups, vocab_tables
+from .tied import install_tie, tied_heads, uninstall_ties
 
 
 def install(model: nn.Module, sites: set[str], tp: int, groups: bool = True) -> None:
@@ -47,12 +48,16 @@ def discover(model: nn.Module, args: tuple, kwargs: dict[str, Any], tp: int, lay
     modules = dict(model.named_modules())
     for table, record in vocab_tables(model, layout, tp) if embeddings else ():
         install_embedding(table, tp, record.mesh, record.spec)
+        heads, (axes, replicas) = tied_heads(model, table), batch_replicas(layout, record.mesh, record.spec)
+        if heads and replicas > 1:
+            install_tie(table, heads, axes, replicas)
     for members in trace_groups(model, layout, args, kwargs, tp):
         install_group([modules[fqn] for fqn in members], tp)
 
 
 def _uninstall_found(model: nn.Module) -> None:
     uninstall_groups(model)
+    uninstall_ties(model)
     uninstall_embeddings(model)
 
 

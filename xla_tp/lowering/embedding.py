@@ -26,6 +26,7 @@ from torch import nn
 from .. import dynamo
 
 ATTR = "_xla_tp_vocab"  # on a vocabulary-split embedding weight: its VocabSplit
+TIE = "_xla_tp_tie"  # on one that an LM head reads too: its Tie (``tied``)
 
 
 @dataclass(frozen=True)
@@ -38,33 +39,70 @@ class VocabSplit:
 
 
 class VocabEmbedding(torch.autograd.Function):
-    """``F.embedding(ids, weight, padding_idx)`` with the weight gradient scattered per device."""
+    """``F.embedding(ids, weight, padding_idx)`` with the weight gradient scattered per device.
+
+    With ``stack`` (the weight repeated over ``r`` batch replicas on ``replica_axes``, ``tied``): the
+    gradient goes to ``stack`` as ``[r, vocab, hidden]``, each replica's rows from its own ids, not
+    summed over the replicas (the stack's own backward sums it, with the tied LM head's share)."""
 
     @staticmethod
     def forward(ctx: Any, split: VocabSplit, padding_idx: Optional[int], ids: torch.Tensor,
-                weight: torch.Tensor) -> torch.Tensor:
+                weight: torch.Tensor, stack: Optional[torch.Tensor] = None, replica_axes: Any = None) -> torch.Tensor:
         ctx.split, ctx.padding_idx, ctx.table = split, padding_idx, tuple(weight.shape)
+        ctx.replicas, ctx.replica_axes = (1, None) if stack is None else (stack.shape[0], replica_axes)
         ctx.save_for_backward(ids)
         return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx)  # F.embedding is wrapped
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
-        if not ctx.needs_input_grad[3]:
-            return None, None, None, None
-        from ..constraints import annotated_copy
         (ids,) = ctx.saved_tensors
+        if ctx.replicas > 1:
+            grad = replica_rows(ctx.split, ctx.replica_axes, ctx.replicas, ids, dy, ctx.padding_idx, ctx.table)
+            return None, None, None, None, grad if ctx.needs_input_grad[4] else None, None
+        if not ctx.needs_input_grad[3]:
+            return (None,) * 6
+        from ..constraints import annotated_copy
         split, (vocab, width) = ctx.split, ctx.table
         rows = vocab // split.tp
         device = torch.arange(split.tp, device=ids.device).view(split.tp, *[1] * ids.dim())  # an iota over t
         local = ids.unsqueeze(0) - device * rows                                            # [tp, *ids]
-        keep = (local >= 0) & (local < rows)
-        if ctx.padding_idx is not None:
-            keep = keep & (ids != ctx.padding_idx % vocab)
-        local = torch.where(keep, local, 0)
+        keep = _kept(local, rows, ids, ctx.padding_idx, vocab)
         src = dy.unsqueeze(0) * keep.unsqueeze(-1).to(dy.dtype)
-        grad = dy.new_zeros(split.tp, rows, width).index_put((device.expand_as(local), local), src, accumulate=True)
+        grad = dy.new_zeros(split.tp, rows, width).index_put((device.expand_as(local), torch.where(keep, local, 0)),
+                                                             src, accumulate=True)
         grad = annotated_copy(grad, split.mesh, (split.spec[0], None, *split.spec[1:]))
-        return None, None, None, grad.reshape(vocab, width)
+        return None, None, None, grad.reshape(vocab, width), None, None
+
+
+def _kept(local: torch.Tensor, rows: int, ids: torch.Tensor, padding_idx: Optional[int], vocab: int) -> torch.Tensor:
+    """Which ids fall in a device's rows (``local``: their row there) and are not padding."""
+    keep = (local >= 0) & (local < rows)
+    return keep if padding_idx is None else keep & (ids != padding_idx % vocab)
+
+
+def replica_rows(split: VocabSplit, axes: Any, replicas: int, ids: torch.Tensor, dy: torch.Tensor,
+                 padding_idx: Optional[int], table: tuple[int, int]) -> torch.Tensor:
+    """The weight gradient per batch replica, ``[replicas, vocab, hidden]``, unreduced: each device
+    scatters its replica's ``dy`` into its own rows. Written as a manual region (each device's shard of
+    ids and dy, and its place on the mesh): GSPMD partitions a scatter batched over two dimensions by
+    gathering the updates over the first."""
+    vocab, width = table
+    tp, rows, mesh = split.tp, vocab // split.tp, split.mesh
+
+    def shard(t: torch.Tensor, spec: tuple) -> torch.Tensor:
+        return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
+
+    place = torch.arange(tp, device=ids.device).expand(replicas, tp)                 # device (r, t) holds t
+    t = shard(place, (axes, split.spec[0])).reshape(())
+    ids = shard(ids, (axes, *[None] * (ids.dim() - 1)))
+    dy = shard(dy, (axes, *[None] * (dy.dim() - 1)))
+    local = ids - t * rows
+    keep = _kept(local, rows, ids, padding_idx, vocab)
+    grad = dy.new_zeros(rows, width).index_put((torch.where(keep, local, 0),), dy * keep.unsqueeze(-1).to(dy.dtype),
+                                               accumulate=True)
+    full = xs.disable_manual_sharding(grad.view(1, 1, rows, width), (axes, split.spec[0], None, None),
+                                      (replicas, tp, rows, width), mesh=mesh).global_tensor
+    return full.reshape(replicas, vocab, width)
 
 
 def lookup(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int] = None, max_norm: Any = None,
@@ -76,6 +114,10 @@ def lookup(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int] =
     split = getattr(weight, ATTR, None)
     if split is None or ids.device.type != "xla" or max_norm is not None or scale_grad_by_freq or sparse:
         return NotImplemented
+    tie = getattr(weight, TIE, None)
+    stack = tie.stack(weight, ids) if tie is not None else None
+    if stack is not None:
+        return VocabEmbedding.apply(split, padding_idx, ids, weight, stack, tie.axes)
     return VocabEmbedding.apply(split, padding_idx, ids, weight)
 
 
@@ -95,3 +137,4 @@ def uninstall_embeddings(model: nn.Module) -> None:
     """Unmark every table of ``model``."""
     for p in model.parameters():
         vars(p).pop(ATTR, None)
+        vars(p).pop(TIE, None)

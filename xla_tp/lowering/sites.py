@@ -1,4 +1,4 @@
-"""What a model's lowering needs: its packed-output sites, and its column groups (from a trace).
+"""What a model's lowering needs: its packed-output sites, its column groups (from a trace), its tables.
 
 - **sites**: the modules that slice a re-laid packed projection's output (a planner names them) and
   the parents of re-laid projections. The packed-output mode runs only inside them (``scope``).
@@ -8,7 +8,9 @@
   forward of the outermost parallelized module, traced on fake copies of the real arguments, with
   the layout of every ``parallelize`` call on it merged (``layout_of``): the torch idiom of one
   call for the root and one per block gets the same groups as one call. A forward that cannot be
-  traced gets no groups (the plain program: one reduction per projection). Example::
+  traced gets no groups (the plain program: one reduction per projection).
+- **tables**: ``nn.Embedding``s split on their vocabulary over the model axis (``embedding``), and the
+  batch replicas a tied one's weight is read on (``batch_replicas``, ``tied``). Example::
 
     packed_sites(model, slicers)                              # {'transformer.h.0.attn', ...}
     find_groups(model, layout, tp=4, graph=trace(model, (ids,)))
@@ -16,6 +18,7 @@
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import nn
@@ -55,6 +58,17 @@ def vocab_tables(model: nn.Module, layout: Layout, tp: int) -> list[tuple[nn.Emb
     return [(m, record) for fqn, m in model.named_modules()
             if lowerable(m, tp) and _rows_split(layout, fqn)
             and (record := getattr(m.weight, SHARDING_ATTR, None)) is not None]
+
+
+def batch_replicas(layout: Layout, mesh: Any, spec: tuple) -> tuple[Any, int]:
+    """The batch axes (spec entry) a weight laid out as ``spec`` is replicated over, and how many
+    replicas they make; ``(None, 1)`` when some batch axis splits the weight (FSDP) or there is none."""
+    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
+    used = {a for entry in spec for a in spec_axes(entry)}
+    axes = tuple(a for a in layout.batch_axes if sizes.get(a, 1) > 1)
+    if not axes or used & set(axes):
+        return None, 1
+    return (axes[0] if len(axes) == 1 else axes), math.prod(sizes[a] for a in axes)
 
 
 def _rows_split(layout: Layout, fqn: str) -> bool:
