@@ -4,7 +4,8 @@
 and clamped slices inside any parallelized forward (``patches``, ``attention``), re-laid packed
 projections read in place at their ``sites`` (``mode``, ``packed``), column groups with one fused
 input gradient and vocabulary-parallel embeddings with per-device weight gradients (reduced once
-with a tied LM head's), found at the first forward (``groups``, ``embedding``, ``tied``, ``sites``), and the per-forward cleanup (``scope``). Example::
+with a tied LM head's), found at the first forward (``groups``, ``embedding``, ``tied``,
+``sites``), and the per-forward cleanup (``scope``). Example::
 
     install(model, packed_sites(model), tp=4)
 """
