@@ -1,6 +1,7 @@
 """``torch.compile(model, backend="openxla")`` on parallelized models: eager numerics over 3 training
-steps, no recompilation after warm-up, the grouped backward kept; HF Llama ("auto" and a torch plan) and
-GPT-2 (packed projections). Run as a user runs it: a fresh process."""
+steps, no recompilation after warm-up, the grouped backward kept; HF Llama ("auto" and a torch plan),
+GPT-2 (packed projections, tied table), Qwen3, BERT and a torchtitan-style Llama. Run as a user runs it:
+a fresh process."""
 import json
 
 import pytest
@@ -25,7 +26,10 @@ user = {f"model.layers.*.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "
 user.update({f"model.layers.*.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
 user.update({"model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers.*.mlp.down_proj": RowwiseParallel()})
 batches = [torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
-gpt2 = registry.build("gpt2")  # packed q/k/v re-laid device-major: the packed-output mode runs in its attention
+# GPT-2: packed q/k/v re-laid device-major (the packed-output mode runs in its attention), and a tied
+# table (eager reads it per batch replica; compiled, it does not). Qwen3: per-head q/k norms. BERT: an
+# encoder with a tied MLM head. titan_llama: a plain torch model.
+families = {name: registry.build(name) for name in ("gpt2", "qwen3", "bert", "titan_llama")}
 
 def step(model, opt, ids):
     opt.zero_grad()
@@ -54,7 +58,7 @@ def run(plan, route, base):
     return losses, compiles, grouped, params
 
 out = {}
-for name, plan, model in (("auto", "auto", base), ("user", user, base), ("gpt2", "auto", gpt2)):
+for name, plan, model in (("auto", "auto", base), ("user", user, base), *((n, "auto", m) for n, m in families.items())):
     eager, _, _, ref = run(plan, "eager", model)
     for route in ("model", "step") if name == "user" else ("model",):
         losses, compiles, grouped, params = run(plan, route, model)
@@ -69,7 +73,8 @@ def results():
     return json.loads(run_fresh(SCRIPT).strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("case", ["auto/model", "user/model", "user/step", "gpt2/model"])
+@pytest.mark.parametrize("case", ["auto/model", "user/model", "user/step", "gpt2/model", "qwen3/model", "bert/model",
+                                  "titan_llama/model"])
 def test_compiled_training_matches_eager_and_compiles_once(results, case):
     r = results[case]
     assert len(r["compiled"]) == 4
@@ -77,5 +82,5 @@ def test_compiled_training_matches_eager_and_compiles_once(results, case):
     assert r["param_err"] < 1e-5, r  # the parameters after 4 SGD steps: gradients right on every step
     assert r["eager"][0] != r["eager"][-1]  # the steps changed something
     assert r["compiles"][0] > 0 and r["compiles"][2:] == [0, 0], r["compiles"]  # warm-up: the first two calls
-    # the first forward's group discovery ran (outside the compiled graph); GPT-2 has no groups
+    # the first forward's group discovery ran (outside the compiled graph); GPT-2's q/k/v are one packed Linear
     assert r["grouped"] == (case != "gpt2/model")
