@@ -64,8 +64,9 @@ def bf16_llama():
 
 
 def test_torchao_bf16_stochastic_rounding_adamw(bf16_llama):
-    opt = torchao_optim._AdamW(bf16_llama.parameters(), lr=1e-2, bf16_stochastic_round=True)
-    tokens = torch.randint(0, VOCAB, (4, 16), device=torch_xla.device())
+    # lr 1e-2 overshot on the third step for one device RNG state in six (the rounding is random)
+    opt = torchao_optim._AdamW(bf16_llama.parameters(), lr=3e-3, bf16_stochastic_round=True)
+    tokens = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0)).to(torch_xla.device())
     losses = []
     for _ in range(3):
         loss = _loss(bf16_llama, tokens)
