@@ -18,8 +18,9 @@ blocks). Example::
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -65,6 +66,19 @@ def _first(module: nn.Module, args: tuple, kwargs: dict) -> None:
     first = vars(module).pop(_FIRST, None)
     if first is not None:
         first(module, args, kwargs)
+
+
+@contextlib.contextmanager
+def first_forward_held(module: nn.Module) -> Iterator[None]:
+    """Run ``module`` (and its submodules) without their first-forward step, which then waits for the
+    next call: for a call on swapped-in tensors (the audit's unsharded reference), where the
+    parameters' sharding marks are not visible and the lowering would be found without its tables."""
+    held = {mod: vars(mod).pop(_FIRST) for mod in module.modules() if _FIRST in vars(mod)}
+    try:
+        yield
+    finally:
+        for mod, first in held.items():
+            vars(mod).setdefault(_FIRST, first)
 
 
 def _leave_root(module: nn.Module, args: Any, output: Any) -> None:
