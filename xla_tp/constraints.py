@@ -23,7 +23,6 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
@@ -56,9 +55,7 @@ def annotated_copy(x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
     ``torch.compile`` it is a custom op dynamo records (``dynamo.constrain``)."""
     if torch.compiler.is_compiling():
         return dynamo.constrain(x, mesh, spec)
-    y = x.clone()
-    torch_xla._XLAC._xla_annotate_custom_sharding(y, mesh.get_op_sharding(spec))
-    return y
+    return dynamo.annotated(x, mesh.get_op_sharding(spec))
 
 
 class _Constrainer:
@@ -83,9 +80,9 @@ class _Constrainer:
     def __call__(self, x: Any, placements: Chain, ml: ModuleLayout, role: str, index: Any) -> Any:
         if not placements or not self.applies(x) or x.dim() == 0:
             return x
+        if self.checks:
+            self.check(x, placements, ml, role, index)
         for p in placements:
-            if self.checks:
-                _check_rank(p, x, ml, role, index)
             x = self.constrain(x, activation_spec(p, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size))
         return x
 

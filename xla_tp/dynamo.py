@@ -34,11 +34,16 @@ def _sharding(mesh: str, spec: str) -> Any:
     return xs.Mesh.from_str(mesh).get_op_sharding(ast.literal_eval(spec))
 
 
+def annotated(x: torch.Tensor, sharding: Any) -> torch.Tensor:
+    """A copy of ``x`` behind a Sharding custom call with the op sharding ``sharding`` (eager)."""
+    y = x.clone()
+    torch_xla._XLAC._xla_annotate_custom_sharding(y, sharding)
+    return y
+
+
 @torch.library.custom_op("xla_tp::constrain", mutates_args=())
 def _constrain(x: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
-    y = x.clone()
-    torch_xla._XLAC._xla_annotate_custom_sharding(y, _sharding(mesh, spec))
-    return y
+    return annotated(x, _sharding(mesh, spec))
 
 
 @_constrain.register_fake

@@ -30,7 +30,6 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from ..constraints import constraint_hooks
-from ..lowering.scope import first_forward_held
 from ..mesh import MeshLike, to_xs_mesh
 from ..plan.applied import layout_of
 from ..plan.layout import Layout
@@ -160,8 +159,7 @@ def _outputs(target: Target, args: tuple, backward: bool,
 def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
     """Dot FLOPs of the same computation with no sharding anywhere (fresh unannotated inputs).
 
-    xla_tp's constraint hooks are suspended while it traces, and a first forward's lowering discovery
-    waits for the next call (it would not see the sharded tables); values do not matter for FLOPs.
+    xla_tp's constraint hooks are suspended while it traces; values do not matter for FLOPs.
     """
     device = next((p.device for p in module.parameters()), torch.device("xla"))
     params = {n: torch.randn(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
@@ -169,7 +167,7 @@ def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
               for n, p in module.named_parameters()}
     plain = tuple(a.detach().cpu().to(device).requires_grad_(a.requires_grad)
                   if isinstance(a, torch.Tensor) else a for a in args)
-    with _suspended_hooks(module), first_forward_held(module):
+    with _suspended_hooks(module):
         return dot_flops(capture_partitioned_hlo(_outputs(module, plain, backward, params)))
 
 

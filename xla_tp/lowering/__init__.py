@@ -30,10 +30,26 @@ def install(model: nn.Module, sites: set[str], tp: int, groups: bool = True) -> 
 
 
 def _first_forward(tp: int):
-    def find(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> None:
-        if args and getattr(args[0], "device", None) is not None and args[0].device.type == "xla":
-            discover(model, args, kwargs, tp)
+    def find(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
+        """Discover on a call with XLA inputs and the model's own parameters; True once done. A call on
+        tensors swapped in for it (``functional_call``: the audit's unsharded reference) hides the
+        parameters' sharding marks, so the tables would not be found: it waits for the next call."""
+        from ..plan.applied import layout_of
+        if not (args and getattr(args[0], "device", None) is not None and args[0].device.type == "xla"):
+            return False
+        layout = layout_of(model)
+        if layout is not None and not _own_parameters(model, layout):
+            return False
+        discover(model, args, kwargs, tp, layout)
+        return True
     return find
+
+
+def _own_parameters(model: nn.Module, layout: Layout) -> bool:
+    """Whether ``model``'s planned parameters carry their sharding marks (not swapped in for one call)."""
+    from ..guard import SHARDING_ATTR
+    params = dict(model.named_parameters())
+    return all(hasattr(params[name], SHARDING_ATTR) for name in layout.params if name in params)
 
 
 def discover(model: nn.Module, args: tuple, kwargs: dict[str, Any], tp: int, layout: Optional[Layout] = None,

@@ -18,9 +18,8 @@ blocks). Example::
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -28,7 +27,7 @@ from torch import nn
 from .mode import active
 
 _ROOT, _SITE = "_xla_tp_scope_root", "_xla_tp_scope_site"  # on a hooked module: its hook handles
-_FIRST = "_xla_tp_first_forward"  # on a root: what to do at its first outermost forward, then forgotten
+_FIRST = "_xla_tp_first_forward"  # on a root: what to do at its first outermost forward, until it is done
 _state = threading.local()
 
 
@@ -63,22 +62,9 @@ def _enter_root(module: nn.Module, args: tuple, kwargs: dict) -> None:
 
 @torch.compiler.disable  # under torch.compile: run as is, between two compiled graphs (the first step only)
 def _first(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    first = vars(module).pop(_FIRST, None)
-    if first is not None:
-        first(module, args, kwargs)
-
-
-@contextlib.contextmanager
-def first_forward_held(module: nn.Module) -> Iterator[None]:
-    """Run ``module`` (and its submodules) without their first-forward step, which then waits for the
-    next call: for a call on swapped-in tensors (the audit's unsharded reference), where the
-    parameters' sharding marks are not visible and the lowering would be found without its tables."""
-    held = {mod: vars(mod).pop(_FIRST) for mod in module.modules() if _FIRST in vars(mod)}
-    try:
-        yield
-    finally:
-        for mod, first in held.items():
-            vars(mod).setdefault(_FIRST, first)
+    first = vars(module).get(_FIRST)
+    if first is not None and first(module, args, kwargs):
+        vars(module).pop(_FIRST, None)
 
 
 def _leave_root(module: nn.Module, args: Any, output: Any) -> None:
@@ -112,7 +98,8 @@ def _hook(module: nn.Module, attr: str, enter: Callable, leave: Callable, kwargs
 
 def install(root: nn.Module, sites: set[str], first: Optional[Callable[[nn.Module, tuple, dict], None]] = None) -> None:
     """Hook ``root`` and its sites (see the module docstring); idempotent. ``first(root, args, kwargs)``
-    runs once, when ``root`` next starts an outermost parallelized forward (before its body runs)."""
+    runs when ``root`` next starts an outermost parallelized forward (before its body runs), and on each
+    later one until it returns True (done)."""
     _hook(root, _ROOT, _enter_root, _leave_root, kwargs=True)
     if first is not None:
         vars(root)[_FIRST] = first
