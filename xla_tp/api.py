@@ -34,13 +34,15 @@ PlanLike = Union[str, dict, ParallelStyle]
 
 def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike = None, *,
                     tp_axis: str = "model", backend: str = "mark_sharding",
-                    strict: bool = True) -> nn.Module:
+                    strict: Optional[bool] = None) -> nn.Module:
     """Shard ``module`` in place on the XLA device following ``plan``; return it.
 
     ``plan`` is a dict FQN pattern -> style (torch ``ParallelStyle``, HF style string such as
     ``"colwise"``, ``ShardParams``, rule-list entries), one style for the root, ``"auto"`` (the
     rule-based planner) or ``"hf"`` (the Hugging Face model's own ``tp_plan``). ``mesh`` is an ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global
-    mesh of ``make_mesh``). Example::
+    mesh of ``make_mesh``). ``strict``: for a plan dict, keys that match nothing are errors (default
+    True; False: warnings); for ``"auto"``, only the optimum is accepted (default False: where the
+    optimum is out of reach, the cheapest valid plan, see ``plan_for``). Example::
 
         model = parallelize_xla(model, {"layers.*.wq": ColwiseParallel(),
                                         "layers.*.wo": RowwiseParallel()}, mesh=make_mesh(model=4))
@@ -51,8 +53,8 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     xmesh = to_xs_mesh(mesh)
     axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     tp_axis = canonical_axis(tp_axis)
-    plan = resolve_plan(module, plan, xmesh, tp_axis)
-    layout = layout_for(module, plan, axes, tp_axis, strict, check_spec)
+    plan = resolve_plan(module, plan, xmesh, tp_axis, strict=bool(strict))
+    layout = layout_for(module, plan, axes, tp_axis, strict is not False, check_spec)
     place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
     install_constraints(module, layout, xmesh, replacing=applied_layout(module))
     lowering.install(module, lowering.packed_sites(module, getattr(plan, "slicers", frozenset())), axes[tp_axis])
@@ -64,7 +66,8 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     return module
 
 
-def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str) -> Union[dict, ParallelStyle]:
+def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str,
+                 strict: bool = False) -> Union[dict, ParallelStyle]:
     """The plan dict for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for``.
 
     ``mesh`` is anything ``plan_for`` takes (an ``xs.Mesh``, axis sizes). Example:
@@ -77,7 +80,7 @@ def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str) -> 
             raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
         from .planners import plan_for
-        return plan_for(module, mesh=mesh, tp_axis=tp_axis)
+        return plan_for(module, mesh=mesh, tp_axis=tp_axis, strict=strict)
     return plan
 
 

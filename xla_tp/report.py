@@ -16,6 +16,7 @@ from torch import nn
 
 from .guard import SHARDING_ATTR
 from .plan.layout import Spec, spec_axes
+from .plan.subaxis import axis_size
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ def local_shape(shape: tuple[int, ...], spec: Spec, mesh: xs.Mesh) -> tuple[int,
     sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
     out = []
     for n, axes in zip(shape, spec):
-        out.append(-(-n // math.prod(sizes[a] for a in spec_axes(axes))))
+        out.append(-(-n // math.prod(axis_size(sizes, a) for a in spec_axes(axes))))
     return tuple(out)
 
 

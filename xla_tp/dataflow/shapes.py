@@ -113,7 +113,7 @@ class Features:
                 continue  # a minor feature merged with a non-feature dim: the leading factor is intact
             if stride is not None:
                 out.append(Factor(dim, size, stride))
-        out.sort(key=lambda f: -f.stride)
+        out.sort(key=lambda f: -f.stride * f.size)  # major first (a repeated head: stride < 1, span whole)
         if not out or out[0].stride * out[0].size != self.span:
             return f"{what} merges the sharded dimension with another one (the compiler cannot keep it sharded)"
         return replace(self, factors=tuple(out), hard=self.hard or out[0].stride != 1)

@@ -18,6 +18,7 @@ True
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
@@ -47,13 +48,15 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
-             example_kwargs: Optional[Mapping[str, Any]] = None) -> Plan:
+             example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
     ``mesh`` is any mesh ``parallelize_xla`` accepts, or axis sizes such as ``{"model": 4}``. Without
     ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
-    floats of its first layer's width otherwise). Attention that cannot be split is a ``PlanError``;
-    a weight whose role cannot be determined stays replicated, its reason in ``plan.replicated``.
+    floats of its first layer's width otherwise). A block that cannot be split the optimal way takes
+    the cheapest valid alternative (``plan.choices``); attention nothing splits is computed whole
+    (``plan.whole_attention``); a weight whose role cannot be determined stays replicated, its reason
+    in ``plan.replicated``. ``strict=True`` accepts only the optimum: any of these is a ``PlanError``.
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
     if not isinstance(model, nn.Module):
@@ -62,10 +65,24 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     graph = trace(model, example_inputs, example_kwargs)
     roles = decide(graph, tp)
     plan = build_plan(model, graph, roles)
+    if strict:
+        _require_optimum(model, plan)
     if not plan:
-        raise PlanError(f"plan 'auto' found nothing to split in {type(model).__name__}: "
-                        f"{_first_reasons(plan)}; pass a plan dict instead")
+        warnings.warn(f"xla_tp: plan 'auto' found nothing to split in {type(model).__name__} "
+                      f"({_first_reasons(plan)}): every parameter is replicated", stacklevel=2)
     return plan
+
+
+def _require_optimum(model: nn.Module, plan: Plan) -> None:
+    """``strict=True``: a ``PlanError`` naming what keeps ``plan`` from the optimum."""
+    problems = [f"{c.block}: {c.why} (cheapest alternative: {c.chosen.name})" for c in plan.choices[:3]]
+    problems += [f"attention computed whole: {line}" for line in plan.whole_attention]
+    if not plan:
+        problems.append(f"nothing to split ({_first_reasons(plan)})")
+    if problems:
+        raise PlanError(f"plan 'auto' cannot reach the optimum for {type(model).__name__} (strict=True): "
+                        + " | ".join(problems) + ". Pass strict=False to take the cheapest valid plan, "
+                        "a plan dict, or a mesh whose model axis divides the heads")
 
 
 def _first_reasons(plan: Plan) -> str:

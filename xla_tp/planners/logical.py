@@ -19,6 +19,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from ..plan.layout import Chain, ModuleLayout
 from ..plan.styles import ShardParams, Style
+from ..plan.subaxis import split_sub_axis, sub_axis
 
 TP = "tp"  # stands for the tensor-parallel axis of the mesh the plan is applied on
 LOGICAL_AXES: tuple[tuple[str, Optional[str]], ...] = (
@@ -32,12 +33,23 @@ _TABLE = dict(LOGICAL_AXES)
 
 
 def mesh_axis(logical: Optional[str]) -> Optional[str]:
-    """``mesh_axis("heads") == "tp"``; ``mesh_axis("embed") is None``; unknown names are an error."""
+    """``mesh_axis("heads") == "tp"``; ``mesh_axis("heads@4") == "tp@4"`` (a sub-axis: ``plan.subaxis``);
+    ``mesh_axis("embed") is None``; unknown names are an error."""
     if logical is None:
         return None
-    if logical not in _TABLE:
+    base, size = split_sub_axis(logical)
+    if base not in _TABLE:
         raise KeyError(f"logical axis {logical!r} is not in LOGICAL_AXES ({', '.join(_TABLE)})")
-    return _TABLE[logical]
+    axis = _TABLE[base]
+    return axis if size is None or axis is None else sub_axis(axis, size)
+
+
+def _on(axis: Optional[str], tp_axis: str) -> Optional[str]:
+    """``TP`` (and its sub-axes) named after the mesh's tensor-parallel axis."""
+    base, size = split_sub_axis(axis) if axis is not None else (None, None)
+    if base != TP:
+        return axis
+    return tp_axis if size is None else sub_axis(tp_axis, size)
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,7 @@ class LogicalStyle(Style):
     outputs: tuple[Chain, ...] = ()  # output constraints (an output head keeps its logits split)
 
     def lower(self, fqn: str, module: nn.Module, key: str, tp_axis: str) -> ModuleLayout:
-        specs = {n: tuple(mesh_axis(a) for a in axes) for n, axes in self.params.items()}
+        specs = {n: tuple(_on(mesh_axis(a), tp_axis) for a in axes) for n, axes in self.params.items()}
         ml = ShardParams(specs, outputs=self.outputs, natural_output=self.natural_output).lower(fqn, module, key, tp_axis)
         ml.style = self.role or repr(self)
         return ml

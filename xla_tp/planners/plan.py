@@ -25,6 +25,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 
 from ..dataflow.graph import Graph
 from ..lowering import packed
+from .alternatives import Choice
 from .logical import LogicalStyle
 from .roles import ParamRole, Roles
 
@@ -51,6 +52,8 @@ class Plan(dict):
         self.replicated: dict[str, str] = {}
         self.packings: dict[str, packed.Packing] = {}
         self.slicers: frozenset[str] = frozenset()
+        self.choices: list[Choice] = []  # blocks off the optimum, with their priced alternatives
+        self.whole_attention: list[str] = []  # attention computed whole, and why
 
     def relayout(self, model: nn.Module) -> None:
         """Re-lay the packed projections device-major (shapes unchanged; run after validation)."""
@@ -88,6 +91,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
     styles = {fqn: _style(params, roles.natural.get(fqn)) for fqn, params in by_module.items()}
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.slicers = frozenset(roles.sites)
+    plan.choices, plan.whole_attention = roles.choices, roles.whole_attention
     return plan
 
 

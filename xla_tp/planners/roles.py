@@ -7,13 +7,14 @@ From a traced forward (``xla_tp.dataflow``), for a model axis of ``tp`` devices:
    their product). Groups are taken in call order; a projection belongs to the first that takes it.
 2. A group is column -> row if its regions end in row projections and nothing needs the whole
    feature dimension. Sizes the split must respect (heads, packed blocks) must divide ``tp``; a
-   member that fails (key/value heads fewer than ``tp``) is left replicated, the rest stays split.
-   Packed projections whose consumers slice them into blocks (``qkv[..., :E]``) are re-laid so each
-   device holds its part of every block.
+   block where they do not (key/value heads fewer than ``tp``, 28 heads on 8 devices) takes the
+   cheapest valid alternative (``alternatives``: some members whole, a sub-axis, an uneven split,
+   the block whole). Packed projections whose consumers slice them into blocks (``qkv[..., :E]``)
+   are re-laid so each device holds its part of every block.
 3. A projection whose features only reach the model's output is an output head (vocab-parallel);
    an embedding looked up with the model's input ids is vocab-parallel; torch's MultiheadAttention
    is its own group. Everything else is replicated, with the reason.
-4. Attention that no group splits is a ``PlanError`` naming it and what stopped it.
+4. Attention that no group splits is computed whole, listed with what stopped it (``whole_attention``).
 
 Module names are never read: they only label explanations. Example:
 
@@ -32,8 +33,9 @@ from typing import Optional
 
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.regions import Projection, Region, describe, explore, is_attention, projections
-from ..errors import PlanError
 from ..lowering.packed import Packing
+from ..plan.subaxis import sub_axis
+from .alternatives import Choice, choose
 
 Axes = tuple[Optional[str], ...]
 
@@ -55,6 +57,8 @@ class Roles:
 
     params: dict[str, ParamRole] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)  # column members of each split group
+    choices: list[Choice] = field(default_factory=list)  # blocks off the optimum: their priced alternatives
+    whole_attention: list[str] = field(default_factory=list)  # attention no block splits, and why
     sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks
     natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
     # weight is an embedding in one module and an output head in another)
@@ -81,7 +85,7 @@ def decide(graph: Graph, tp: int) -> Roles:
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set()
     for group in _groups(regions):
-        _apply_group(group, tp, roles, taken, reasons, covered)
+        _apply_group(graph, group, tp, roles, taken, reasons, covered)
     _mha(graph, tp, roles, covered)
     vocab = _embeddings(graph, roles)
     for region in regions:
@@ -97,7 +101,7 @@ def decide(graph: Graph, tp: int) -> Roles:
             roles.set(region.projection.weight, _replicated(region.projection.weight, why))
             if region.projection.bias is not None:
                 roles.set(region.projection.bias, _replicated(region.projection.bias, why))
-    _check_attention(graph, regions, covered, reasons)
+    roles.whole_attention = _whole_attention(graph, regions, covered, reasons)
     return roles
 
 
@@ -137,45 +141,51 @@ def _groups(regions: list[Region]) -> list[list[Region]]:
     return sorted(groups.values(), key=lambda g: g[0].projection.node.index)
 
 
-def _apply_group(group: list[Region], tp: int, roles: Roles, taken: dict[int, str], reasons: dict[int, str],
-                 covered: set[int]) -> None:
+def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken: dict[int, str],
+                 reasons: dict[int, str], covered: set[int]) -> None:
     members = [r for r in group if r.projection.node.index not in taken]
     rows = {i: row for r in members for i, row in r.rows.items()}
     if not members or any(i in taken for i in rows):
         for r in members:
             reasons.setdefault(r.projection.node.index, "its partner projection is already split by another group")
         return
-    split, dropped = [], []
-    for r in members:
-        why = _granule_problem(r, tp) or _packing_problem(r, tp)
-        (dropped if why else split).append((r, why))
-    for r, why in dropped:
+    ways, split_regions, relaid, chosen = tp, members, True, ""
+    problems = [why for r in members if (why := _problem(r, tp))]
+    if problems:  # off the optimum: the cheapest valid alternative (alternatives.py)
+        choice = choose(graph, members, rows, tp, _problem, problems[0])
+        roles.choices.append(choice)
+        alt = choice.chosen
+        ways, split_regions, relaid = alt.ways, list(alt.split), alt.relaid
+        chosen = f" (cheapest of {len(choice.alternatives)} ways to split this block: {alt.name})"
+    dropped = [r for r in members if r not in split_regions]
+    for r in dropped:
+        why = (_problem(r, tp) or "the block is computed whole") + chosen
         reasons[r.projection.node.index] = why
-    split_regions = [r for r, _ in split]
-    reached = {i for r in split_regions for i in r.rows}
-    if not split_regions or reached != set(rows):
-        for r in members:
-            reasons.setdefault(r.projection.node.index, dropped[0][1] if dropped else "no row-parallel partner")
-        return
-    attention = any(r.attention for r in split_regions)
-    for r in split_regions:
-        p = r.projection
-        what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
-        _set_column(roles, p, "column", "heads" if attention else "mlp",
-                    f"column-parallel: {what} split {tp} ways, read by {_row_names(rows)}",
-                    packing=_packing(r, tp))
-        taken[p.node.index] = "column"
-        covered |= r.attention
-        if r.windows:
-            roles.sites |= r.slicers
-    for r, why in dropped:
         roles.set(r.projection.weight, _replicated(r.projection.weight, why))
         if r.projection.bias is not None:
             roles.set(r.projection.bias, _replicated(r.projection.bias, why))
         taken[r.projection.node.index] = "replicated"
+    if not split_regions:
+        covered |= {i for r in members for i in r.attention}  # attention computed whole, by choice
+        for index, (node, param, dim) in rows.items():
+            roles.set(param, _replicated(param, f"contracts a block computed whole{chosen}"))
+            taken[index] = "replicated"
+        return
+    attention = any(r.attention for r in split_regions)
+    logical = "heads" if attention else "mlp"
+    logical = logical if ways == tp else sub_axis(logical, ways)
+    for r in split_regions:
+        p = r.projection
+        what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
+        _set_column(roles, p, "column", logical, f"column-parallel: {what} split {ways} ways, read by "
+                    f"{_row_names(rows)}{chosen}", packing=_packing(r, ways) if relaid else None)
+        taken[p.node.index] = "column"
+        covered |= r.attention
+        if r.windows and relaid:
+            roles.sites |= r.slicers
     for index, (node, param, dim) in rows.items():
         axes = ["embed"] * len(param.shape)
-        axes[dim] = "heads" if attention else "mlp"
+        axes[dim] = logical
         cols = ", ".join(r.projection.name.rpartition(".")[0] for r in split_regions)
         roles.set(param, ParamRole("row", tuple(axes), f"row-parallel: contracts the split features of {cols}; "
                                    f"one all-reduce of its output", "partial"), node.module)
@@ -184,6 +194,11 @@ def _apply_group(group: list[Region], tp: int, roles: Roles, taken: dict[int, st
             roles.set(bias, _replicated(bias, "bias of a row-parallel projection: added once, after the reduction"))
         taken[index] = "row"
     roles.groups.append([r.projection.name for r in split_regions])
+
+
+def _problem(r: Region, ways: int) -> str:
+    """Why ``r`` cannot split ``ways`` ways as the optimum does ("" if it can)."""
+    return _granule_problem(r, ways) or _packing_problem(r, ways)
 
 
 def _row_names(rows: dict[int, tuple[Node, Value, int]]) -> str:
@@ -206,8 +221,7 @@ def _granule_problem(r: Region, tp: int) -> str:
     if not bad:
         return ""
     node = r.granules[bad[0]]
-    return (f"its output splits into {bad[0]} heads/blocks ({describe(node)}), which the model axis ({tp}) does "
-            f"not divide: computed whole on every device (no communication)")
+    return f"its output splits into {bad[0]} heads/blocks ({describe(node)}), which {tp} devices do not divide"
 
 
 def _packing(r: Region, tp: int) -> Optional[Packing]:
@@ -235,8 +249,7 @@ def _packing_problem(r: Region, tp: int) -> str:
     blocks = _blocks(r)
     if blocks and any(size % tp for _, size in blocks):
         sizes = [s for _, s in blocks]
-        return (f"its packed output is sliced into blocks of {sizes}, which the model axis ({tp}) does not "
-                f"all divide: computed whole on every device")
+        return f"its packed output is sliced into blocks of {sizes}, which {tp} devices do not all divide"
     return ""
 
 
@@ -321,11 +334,9 @@ def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
         covered.add(node.index)
 
 
-def _check_attention(graph: Graph, regions: list[Region], covered: set[int], reasons: dict[int, str]) -> None:
-    """Attention that no split group covers cannot be sharded: refuse instead of guessing."""
+def _whole_attention(graph: Graph, regions: list[Region], covered: set[int], reasons: dict[int, str]) -> list[str]:
+    """Attention that no block covers: computed whole on every device. What stopped each (first three)."""
     missed = [n for n in graph.nodes if is_attention(n) and n.index not in covered]
-    if not missed:
-        return
     by_output = {r.projection.node.outputs[0].index: r for r in regions}
     lines = []
     for node in missed[:3]:
@@ -334,9 +345,9 @@ def _check_attention(graph: Graph, regions: list[Region], covered: set[int], rea
                         f"{reasons.get(r.projection.node.index) or _stop_reason(r)}" for r in feeders[:3])
         lines.append(f"{describe(node)} on {[list(v.shape) for v in node.tensors[:3]]}"
                      f" ({why or 'no projection feeds it'})")
-    raise PlanError("plan 'auto' cannot shard the attention of this model: " + " | ".join(lines)
-                    + (f" (+{len(missed) - 3} more)" if len(missed) > 3 else "")
-                    + ". Pass a plan dict, or a mesh whose model axis divides the heads")
+    if len(missed) > 3:
+        lines.append(f"+{len(missed) - 3} more")
+    return lines
 
 
 def _feeders(node: Node, by_output: dict[int, Region]) -> list[Region]:

@@ -1,0 +1,128 @@
+"""When a block cannot be split the optimal way, the valid ways it can be split, priced; the cheapest wins.
+
+A block (``roles``: column projections, the attention between them, the row projections after
+them) whose heads or packed blocks the model axis (``tp`` devices) does not divide has these
+alternatives, each priced from the traced shapes (``prices``):
+
+- **split over k**, for each divisor ``k >= 2`` of ``tp``: the projections whose heads/blocks ``k``
+  divides are split ``k`` ways, the others computed whole (k = ``tp``: key/value heads fewer than
+  devices stay whole, the query heads split). ``k < tp`` is a sub-axis (``plan.subaxis``): the block
+  is split over groups of ``k`` devices and replicated across the groups, so grouped-query models
+  keep each key/value head with its query heads.
+- **uneven split over tp**: every projection split ``tp`` ways as it is; XLA pads the rows, and a
+  device's rows are not whole heads, so the compiler reshards the outputs (estimated: each such
+  output all-gathered).
+- **whole**: the block computed on every device (no communication), the rest of the model still split.
+
+Example (Qwen2-7B's heads, 28 query / 4 key-value, on 8 devices: split over 4 of them)::
+
+    choice = choose(graph, members, rows, tp=8, problem=problem)
+    choice.chosen.name      # 'split over 4 of 8 devices (sub-axis)'
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..dataflow.graph import Graph, Node, Value
+from ..dataflow.regions import Region
+from .prices import Price, dot_flops, nbytes
+
+Rows = dict[int, tuple[Node, Value, int]]  # row projection node index -> (node, parameter, contracted dim)
+Problem = Callable[[Region, int], str]  # why a region cannot split ``ways`` ways ("" if it can)
+
+
+@dataclass(frozen=True)
+class Alternative:
+    """One way to split a block: ``ways`` devices share it (1: whole); ``split`` are the projections
+    split (the rest of the block's projections whole); ``relaid``: packed weights re-laid per device."""
+
+    name: str
+    ways: int
+    split: tuple[Region, ...]
+    price: Price
+    relaid: bool = True
+
+
+@dataclass
+class Choice:
+    """The alternatives of one block, cheapest first; ``chosen`` is the first."""
+
+    block: str  # the modules of the block's projections, for explanations
+    why: str  # what keeps the block from the optimum
+    alternatives: list[Alternative] = field(default_factory=list)
+    invalid: list[str] = field(default_factory=list)  # alternatives that cannot apply, with the reason
+
+    @property
+    def chosen(self) -> Alternative:
+        return self.alternatives[0]
+
+
+def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Problem, why: str) -> Choice:
+    """Every valid alternative for the block, priced, cheapest first (ties: less memory per device)."""
+    block = _Block(graph, members, rows)
+    choice = Choice(", ".join(r.projection.name.rpartition(".")[0] for r in members), why)
+    for k in sorted((k for k in range(2, tp + 1) if tp % k == 0), reverse=True):
+        split = tuple(r for r in members if not problem(r, k))
+        reached = {i for r in split for i in r.rows}
+        name = f"split over {k}" + (f" of {tp} devices (sub-axis)" if k < tp else " devices")
+        whole = [r for r in members if r not in split]
+        if whole:
+            name += f", {_names(whole)} whole"
+        if not split or reached != set(rows):
+            choice.invalid.append(f"{name}: {problem(next(iter(whole)), k) if whole else 'no row partner'}")
+            continue
+        choice.alternatives.append(Alternative(name, k, split, block.price(k, split)))
+    if any(problem(r, tp) for r in members):
+        extra = sum(nbytes(r.projection.node.outputs[0]) for r in members if problem(r, tp))
+        choice.alternatives.append(Alternative(
+            f"uneven split over {tp} devices (XLA pads; outputs not in whole heads are resharded)", tp,
+            tuple(members), block.price(tp, tuple(members), extra), relaid=False))
+    choice.alternatives.append(Alternative("computed whole on every device", 1, (), block.price(1, ())))
+    choice.alternatives.sort(key=lambda a: (round(a.price.cost, 6), a.price.params))
+    return choice
+
+
+def _names(regions: list[Region]) -> str:
+    return ", ".join(r.projection.name.rpartition(".")[0].rpartition(".")[2] for r in regions)
+
+
+class _Block:
+    """The unsharded costs of one block's parts, read once from the graph."""
+
+    def __init__(self, graph: Graph, members: list[Region], rows: Rows):
+        self.members = members
+        self.rows = list(rows.values())
+        self.attention = [graph.nodes[i] for i in sorted({i for r in members for i in r.attention})]
+        self.heads = max((s for r in members if r.attention for s in r.granules), default=0)
+        self.queries = next((r for r in members if self.heads in r.granules), None)
+        self.minimum = float(sum(nbytes(node.outputs[0]) for node, _, _ in self.rows))
+        self.whole = (sum(dot_flops(r.projection.node) for r in members) + sum(dot_flops(n) for n, _, _ in self.rows)
+                      + sum(dot_flops(n) for n in self.attention))
+
+    def price(self, ways: int, split: tuple[Region, ...], extra: float = 0.0) -> Price:
+        flops = params = 0.0
+        for r in self.members:
+            share = _share(r.projection.size, ways) if r in split else 1.0
+            flops += dot_flops(r.projection.node) * share
+            params += _param_bytes(r) * share
+        row_share = 1.0 if not split else None
+        for node, param, dim in self.rows:
+            share = row_share or _share(param.shape[dim], ways)
+            flops += dot_flops(node) * share
+            params += nbytes(param) * share
+        attn_share = _share(self.heads, ways) if self.queries in split and self.heads else 1.0
+        flops += sum(dot_flops(n) for n in self.attention) * attn_share
+        comm = (self.minimum if split else 0.0) + extra
+        return Price(flops, comm, params, self.whole, self.minimum)
+
+
+def _share(n: int, ways: int) -> float:
+    """The part of ``n`` items one device holds when they are split ``ways`` ways (XLA pads)."""
+    return math.ceil(n / ways) / n if n else 1.0
+
+
+def _param_bytes(r: Region) -> float:
+    p = r.projection
+    return float(nbytes(p.weight) + (nbytes(p.bias) if p.bias is not None else 0))
