@@ -102,19 +102,20 @@ def test_attention_nothing_splits_is_computed_whole_and_strict_refuses_it(mesh):
 
 
 def test_heads_the_axis_does_not_divide_take_the_cheapest_alternative(mesh):
-    """6 heads on 4 devices: split over 2 of them (a sub-axis), priced against the others; strict=True
-    (only the optimum) refuses, naming the heads."""
+    """6 heads on 4 devices: 2 zero heads added (a device holds 2 of 8 heads, against 3 of 6 for a split over 2
+    devices), priced against the other valid splits; strict=True (only the optimum) refuses, naming the heads."""
     cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
                                    vocab_size=128)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     plan = plan_for(model, mesh=mesh)
     choice = plan.choices[0]
     names = [a.name for a in choice.alternatives]
-    assert choice.chosen.name == "split over 2 of 4 devices (sub-axis)" and "6 heads" in choice.why
-    assert any(n.startswith("uneven split over 4") for n in names) and "computed whole on every device" in names
+    assert choice.chosen.name == "split over 4 devices, 6 heads padded to 8 with zero heads" and "6 heads" in choice.why
+    assert "split over 2 of 4 devices (sub-axis)" in names and "computed whole on every device" in names
+    assert any(n.startswith("uneven split over 4") for n in names)
     assert [a.price.cost for a in choice.alternatives] == sorted(a.price.cost for a in choice.alternatives)
-    assert plan.roles["model.layers.0.self_attn.q_proj.weight"].axes == ("heads@2", "embed")
-    assert plan.roles["model.layers.0.self_attn.o_proj.weight"].axes == ("embed", "heads@2")
+    assert plan.packings["model.layers.0.self_attn.q_proj.weight"].padded == (64,)  # 8 heads of 8
+    assert plan.packings["model.layers.0.self_attn.o_proj.weight"].dim == 1  # its inputs, zero columns
     with pytest.raises(PlanError, match="6 heads.*strict=True|strict=True.*6 heads"):
         plan_for(model, mesh=mesh, strict=True)
 

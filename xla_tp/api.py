@@ -19,6 +19,8 @@ from . import dynamo, lowering
 from .backends.place import place_module
 from .checkpoint.export import host_save_pretrained
 from .constraints import install_constraints
+from .dataflow.inputs import MadeUpInputError
+from .deferred import plan_at_first_call
 from .errors import PlanError
 from .inference import make_inference_safe
 from .mesh import MeshLike, XlaDeviceMesh, canonical_axis, to_xs_mesh
@@ -53,7 +55,15 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     xmesh = to_xs_mesh(mesh)
     axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     tp_axis = canonical_axis(tp_axis)
-    plan = resolve_plan(module, plan, xmesh, tp_axis, strict=bool(strict))
+    try:
+        plan = resolve_plan(module, plan, xmesh, tp_axis, strict=bool(strict))
+    except MadeUpInputError as e:  # "auto" on a model that declares no input: planned at its first call
+        from .planners import plan_for
+
+        def at_first_call(args: tuple, kwargs: dict) -> None:
+            auto = plan_for(module, xmesh, tp_axis, example_inputs=args, example_kwargs=kwargs, strict=bool(strict))
+            parallelize_xla(module, auto, xmesh, tp_axis=tp_axis, backend=backend, strict=strict)
+        return plan_at_first_call(module, at_first_call, str(e))
     layout = layout_for(module, plan, axes, tp_axis, strict is not False, check_spec)
     place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
     install_constraints(module, layout, xmesh, replacing=applied_layout(module))

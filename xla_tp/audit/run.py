@@ -30,6 +30,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
 from ..constraints import constraint_hooks
+from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
 from ..plan.applied import layout_of
 from ..plan.layout import Layout
@@ -157,12 +158,14 @@ def _outputs(target: Target, args: tuple, backward: bool,
 
 
 def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
-    """Dot FLOPs of the same computation with no sharding anywhere (fresh unannotated inputs).
+    """Dot FLOPs of the same computation with no sharding anywhere (fresh unannotated inputs), on the
+    model's original shapes (zero heads the plan added count as work).
 
     xla_tp's constraint hooks are suspended while it traces; values do not matter for FLOPs.
     """
     device = next((p.device for p in module.parameters()), torch.device("xla"))
-    params = {n: torch.randn(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+    # the model as written: a weight padded with zero heads takes its original shape
+    params = {n: torch.randn(original_shape(p), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
               if p.is_floating_point() else p.detach().cpu().to(device)
               for n, p in module.named_parameters()}
     plain = tuple(a.detach().cpu().to(device).requires_grad_(a.requires_grad)

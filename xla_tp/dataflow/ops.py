@@ -266,6 +266,8 @@ def _cat(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     if dim == feats.lead.dim:
         return "concatenates along the sharded dimension"
     f = feats.factor_at(dim)
+    if f is not None and f.outer > 1:
+        return "concatenates along a dimension where the batch is merged with the sharded features"
     if f is not None:  # a minor feature dim (rotary halves): the factor grows, the sharding is untouched
         feats = replace(feats, factors=tuple(replace(g, size=out.shape[dim]) if g is f else g for g in feats.factors))
     return _one(node, feats)
@@ -282,6 +284,8 @@ def _reduce_dims(node: Node, rank: int) -> Optional[list[int]]:
 
 
 def _reduce(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
+    if node.op in ("max", "min") and isinstance(node.arg(1, "other"), Value):  # torch.max(a, b): element-wise
+        return _pointwise(node, pos, feats)
     if pos != 0:
         return Step()
     rank = _rank(node.tensors[0])

@@ -91,6 +91,7 @@ class Region:
     granules: dict[int, Node] = field(default_factory=dict)  # sizes that must divide the axis (heads, blocks)
     windows: set[tuple[Fraction, Fraction]] = field(default_factory=set)  # blocks of a packed projection
     slicers: set[str] = field(default_factory=set)  # modules whose forward slices those blocks
+    merges: set[str] = field(default_factory=set)  # modules where the features are merged with the batch
 
     @property
     def ok(self) -> bool:
@@ -139,6 +140,8 @@ def explore(graph: Graph, proj: Projection) -> Region:
                         region.slicers.add(node.module)
                     if f.hard:
                         region.granules.setdefault(f.lead.size, node)
+                    if any(x.outer > 1 for x in f.factors):
+                        region.merges.add(node.module)
                     heapq.heappush(work, (out.index, out))
                 elif seen.lead.dim != f.lead.dim:
                     region.stop, region.stop_node = "meets itself split along two different dimensions", node

@@ -1,7 +1,7 @@
 """The packed-output mode: re-laid packed projections read in place where the model slices them.
 
-A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output (their
-``scope`` sites). A projection whose weight was re-laid device-major (``packed``) has its output
+A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output, or merge
+heads with the batch before a ``bmm`` (``bmm``: kept 4-D), their ``scope`` sites. A projection whose weight was re-laid device-major (``packed``) has its output
 tagged; the model's own ``split``/``chunk``/slicing of it then gets each block read in place
 (``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
 output gets the original order back (with one warning naming the op: it moves data). Example::
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import packed
+from . import bmm, packed
 
 _state = threading.local()
 GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see patches' wrapper of it instead
@@ -57,7 +57,11 @@ class Lowering(TorchFunctionMode):
         packing = packed.tag_of(tensor)
         if _metadata(func):
             return func(*args, **kwargs)
-        ranges = _slice_ranges(func, args, kwargs, tensor)
+        if packing.padded and func in _RESHAPES:  # the model's own sizes name the original features
+            out = func(*_laid_shape(args, packing), **kwargs)
+            if out.shape[-1] == packing.laid_size:
+                return self.tag(out, packing)
+        ranges = _slice_ranges(func, args, kwargs, tensor, packing.size)
         if ranges is not None:
             got = packed.pieces(tensor, packing, ranges)
             if got is not None:
@@ -95,9 +99,17 @@ def _metadata(func: Callable) -> bool:
     return known
 
 
-def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor) -> Optional[list[tuple[int, int]]]:
-    """The feature ranges a slicing op takes from ``t``'s last dim, or None if it is not such an op."""
-    n, last = t.shape[-1], t.dim() - 1
+def _laid_shape(args: tuple, packing: packed.Packing) -> tuple:
+    """``view``/``reshape`` arguments with the original feature count (last) as the laid-out one."""
+    shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+    shape = [*shape[:-1], packing.laid_size if shape and shape[-1] == packing.size else shape[-1]] if shape else []
+    return (args[0], tuple(shape))
+
+
+def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor, n: int) -> Optional[list[tuple[int, int]]]:
+    """The feature ranges a slicing op takes from ``t``'s last dim (``n`` original features), or None
+    if it is not such an op."""
+    last = t.dim() - 1
 
     def on_last(dim: Any) -> bool:
         return isinstance(dim, int) and dim % t.dim() == last
@@ -142,14 +154,23 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int]]:
 
 
 def _projection(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
+    """Tag the output of a projection whose output features are re-laid in blocks (a row-parallel
+    weight padded on the features it contracts, or one block padded at its end, needs no tag)."""
     weight = args[1] if func is F.linear else (args[2] if len(args) > 2 else kwargs.get("mat2"))
     packing = packed.packing_of(weight)
-    if packing is None:
+    out_dim = 0 if func is F.linear else 1
+    if packing is None or packing.dim != out_dim or (len(packing.blocks) == 1 and packing.padded):
         return NotImplemented
     return mode.tag(func(*args, **kwargs), packing)
 
 
-_HANDLERS: dict[Callable, Callable] = {F.linear: _projection, torch.addmm: _projection}
+def _plain(handler: Callable) -> Callable:
+    return lambda mode, func, args, kwargs: handler(*args, **kwargs)
+
+
+_HANDLERS: dict[Callable, Callable] = {F.linear: _projection, torch.addmm: _projection,
+                                       **{f: _plain(h) for f, h in bmm.HANDLERS.items()}}
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _KEEPS_LAST = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
                torch.Tensor.detach}

@@ -33,39 +33,65 @@ _TAG = "_xla_tp_packed_output"  # on a re-laid projection's output during a forw
 
 @dataclass(frozen=True)
 class Packing:
-    """Blocks ``(start, size)`` along weight dim ``dim``, laid out device-major for ``tp`` devices."""
+    """Blocks ``(start, size)`` along weight dim ``dim``, laid out device-major for ``tp`` devices.
+
+    ``padded``: each block's size once zero features (whole zero heads) are appended to it, so that
+    ``tp`` divides it; empty when nothing is padded. A padded parameter grows along ``dim``.
+    """
 
     dim: int
     blocks: tuple[tuple[int, int], ...]
     tp: int
+    padded: tuple[int, ...] = ()
 
     @property
     def size(self) -> int:
+        """Features along ``dim`` in the original layout."""
         return sum(n for _, n in self.blocks)
 
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Each block's size as laid out (padded or not)."""
+        return self.padded or tuple(n for _, n in self.blocks)
+
+    @property
+    def laid_size(self) -> int:
+        """Features along ``dim`` as laid out."""
+        return sum(self.sizes)
+
     def order(self) -> torch.Tensor:
-        """Original index of each re-laid position.
+        """Original index of each re-laid position (-1: a zero feature of the padding).
 
         >>> Packing(0, ((0, 4), (4, 4)), 2).order().tolist()
         [0, 1, 4, 5, 2, 3, 6, 7]
+        >>> Packing(0, ((0, 3),), 2, padded=(4,)).order().tolist()
+        [0, 1, 2, -1]
         """
-        idx = [start + d * (n // self.tp) + j for d in range(self.tp) for start, n in self.blocks
-               for j in range(n // self.tp)]
+        idx = [start + d * (m // self.tp) + j if d * (m // self.tp) + j < n else -1
+               for d in range(self.tp) for (start, n), m in zip(self.blocks, self.sizes) for j in range(m // self.tp)]
         return torch.tensor(idx, dtype=torch.long)
 
     def inverse(self) -> torch.Tensor:
+        """Re-laid position of each original index."""
         order = self.order()
-        return torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
+        kept = order >= 0
+        return torch.empty(self.size, dtype=torch.long).scatter_(0, order[kept], torch.arange(len(order))[kept])
 
     def for_bias(self) -> "Packing":
-        return Packing(0, self.blocks, self.tp)
+        return Packing(0, self.blocks, self.tp, self.padded)
 
 
 def permute(t: torch.Tensor, packing: Packing) -> torch.Tensor:
-    return t.index_select(packing.dim, packing.order().to(t.device))
+    """``t`` (original layout along ``packing.dim``) re-laid: device-major, padding zeros included."""
+    order = packing.order().to(t.device)
+    if not packing.padded:
+        return t.index_select(packing.dim, order)
+    zero = torch.zeros_like(t.narrow(packing.dim, 0, 1))
+    return torch.cat([t, zero], packing.dim).index_select(packing.dim, torch.where(order < 0, t.shape[packing.dim], order))
 
 
 def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """A re-laid ``t`` back in the original layout (padding dropped)."""
     return t.index_select(packing.dim, packing.inverse().to(t.device))
 
 
@@ -95,8 +121,16 @@ def _save_original(owner: nn.Module, state_dict: dict, prefix: str, local_metada
 def _load_relaid(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
     for name, packing in owner.__dict__.get(_OWNED, {}).items():
         key, p = prefix + name, owner._parameters.get(name)
-        if key in state_dict and p is not None and state_dict[key].shape == p.shape:
+        if key in state_dict and p is not None and original_shape(p) == state_dict[key].shape:
             state_dict[key] = permute(state_dict[key], packing)
+
+
+def original_shape(p: torch.Tensor) -> torch.Size:
+    """The shape ``p`` has in the model as written (a padded re-laid weight is larger)."""
+    packing = packing_of(p)
+    if packing is None:
+        return p.shape
+    return torch.Size(packing.size if d == packing.dim else n for d, n in enumerate(p.shape))
 
 
 def packing_of(t: Any) -> Optional[Packing]:
@@ -119,16 +153,18 @@ def tag_of(t: Any) -> Optional[Packing]:
 
 
 def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:
-    """Block ``index`` of a re-laid output ``y`` (features last): each device reads its own part."""
-    tp = packing.tp
-    offset = sum(n for _, n in packing.blocks[:index]) // tp
-    n = packing.blocks[index][1] // tp
-    return y.unflatten(-1, (tp, packing.size // tp))[..., offset:offset + n].flatten(-2)
+    """Block ``index`` of a re-laid output ``y`` (features last): each device reads its own part (a
+    padded block with its zero features)."""
+    tp, sizes = packing.tp, packing.sizes
+    offset = sum(sizes[:index]) // tp
+    n = sizes[index] // tp
+    return y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n].flatten(-2)
 
 
 def unpermute(y: torch.Tensor, packing: Packing) -> torch.Tensor:
-    """A re-laid output back in the original feature order (moves data: only for uses xla_tp cannot see)."""
-    return torch.cat([block(y, packing, i) for i in range(len(packing.blocks))], dim=-1)
+    """A re-laid output back in the original feature order, padding dropped (moves data: only for uses
+    xla_tp cannot see)."""
+    return torch.cat([block(y, packing, i)[..., :n] for i, (_, n) in enumerate(packing.blocks)], dim=-1)
 
 
 def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> Optional[list[torch.Tensor]]:

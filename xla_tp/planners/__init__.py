@@ -27,6 +27,7 @@ from ..dataflow.trace import trace
 from ..errors import PlanError
 from ..mesh import canonical_axis, to_xs_mesh
 from .plan import Plan, build_plan
+from .padding import padding_problem
 from .roles import decide
 
 __all__ = ["Plan", "plan_for"]
@@ -63,8 +64,12 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
     graph = trace(model, example_inputs, example_kwargs)
-    roles = decide(graph, tp)
-    plan = build_plan(model, graph, roles)
+    on_meta = any(p.is_meta for p in model.parameters())
+    plan = build_plan(model, graph, decide(graph, tp, "the model is on meta: its own init would fill the zero "
+                                                      "heads" if on_meta else ""))
+    problem = padding_problem(model, plan.packings, graph, example_inputs, example_kwargs)
+    if problem:  # zero heads were cheapest but the model does not run with them: the next best
+        plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})"))
     if strict:
         _require_optimum(model, plan)
     if not plan:

@@ -12,6 +12,12 @@ alternatives, each priced from the traced shapes (``prices``):
 - **uneven split over tp**: every projection split ``tp`` ways as it is; XLA pads the rows, and a
   device's rows are not whole heads, so the compiler reshards the outputs (estimated: each such
   output all-gathered).
+- **zero heads**: as many zero heads added to q, k and v (and zero inputs to the row projection) as
+  make ``tp`` divide the heads, by re-laying the weights (``lowering.packed``; ``state_dict()`` keeps
+  the original shapes). Zero heads add zeros to the output, so the model computes the same function.
+  Offered when every projection of the block has the same heads (not grouped-query: the model's own
+  key/value repetition would no longer match) and the model is not on ``meta`` (its init would fill
+  the padding); ``padding`` says why not otherwise. The planner checks that the model runs padded.
 - **whole**: the block computed on every device (no communication), the rest of the model still split.
 
 Example (Qwen2-7B's heads, 28 query / 4 key-value, on 8 devices: split over 4 of them)::
@@ -43,6 +49,7 @@ class Alternative:
     split: tuple[Region, ...]
     price: Price
     relaid: bool = True
+    padded: tuple[int, int] = (0, 0)  # (heads, padded heads) of the zero-heads alternative
 
 
 @dataclass
@@ -59,8 +66,10 @@ class Choice:
         return self.alternatives[0]
 
 
-def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Problem, why: str) -> Choice:
-    """Every valid alternative for the block, priced, cheapest first (ties: less memory per device)."""
+def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Problem, why: str,
+           padding: str = "") -> Choice:
+    """Every valid alternative for the block, priced, cheapest first (ties: less memory per device).
+    ``padding``: why zero heads may not be added (empty: they may, where the block allows)."""
     block = _Block(graph, members, rows)
     choice = Choice(", ".join(r.projection.name.rpartition(".")[0] for r in members), why)
     for k in sorted((k for k in range(2, tp + 1) if tp % k == 0), reverse=True):
@@ -79,9 +88,42 @@ def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Pr
         choice.alternatives.append(Alternative(
             f"uneven split over {tp} devices (XLA pads; outputs not in whole heads are resharded)", tp,
             tuple(members), block.price(tp, tuple(members), extra), relaid=False))
+    if block.heads and block.heads % tp:
+        padded = _padded(block, tp, padding)
+        if isinstance(padded, str):
+            choice.invalid.append(f"zero heads: {padded}")
+        else:
+            choice.alternatives.append(padded)
     choice.alternatives.append(Alternative("computed whole on every device", 1, (), block.price(1, ())))
     choice.alternatives.sort(key=lambda a: (round(a.price.cost, 6), a.price.params))
     return choice
+
+
+def _padded(block: "_Block", tp: int, padding: str):
+    """The zero-heads alternative, or why it does not apply."""
+    heads = {heads_of(r) for r in block.members}
+    if padding or len(heads) > 1:
+        return padding or f"the projections have different heads {sorted(heads)} (grouped-query attention)"
+    h = block.heads
+    sizes = [n for r in block.members for _, n in blocks_of(r)] + [p.shape[d] for _, p, d in block.rows]
+    if any(n % h for n in sizes):
+        return f"features {sizes} are not whole heads of {h}"
+    hp = -(-h // tp) * tp
+    return Alternative(f"split over {tp} devices, {h} heads padded to {hp} with zero heads", tp, tuple(block.members),
+                       block.price(tp, tuple(block.members), heads=hp), padded=(h, hp))
+
+
+def heads_of(r: Region) -> int:
+    """How many heads (or packed blocks) a projection's output splits into: its smallest granule."""
+    return min(r.granules, default=0)
+
+
+def blocks_of(r: Region) -> tuple[tuple[int, int], ...]:
+    """The blocks consumers slice ``r``'s projection into (one block if unpacked)."""
+    size = r.projection.size
+    cuts = {0, size} | {int(x) for base, span in r.windows for x in (base, base + span)}
+    edges = sorted(cuts)
+    return tuple((a, b - a) for a, b in zip(edges, edges[1:]))
 
 
 def _names(regions: list[Region]) -> str:
@@ -95,24 +137,26 @@ class _Block:
         self.members = members
         self.rows = list(rows.values())
         self.attention = [graph.nodes[i] for i in sorted({i for r in members for i in r.attention})]
-        self.heads = max((s for r in members if r.attention for s in r.granules), default=0)
-        self.queries = next((r for r in members if self.heads in r.granules), None)
+        self.heads = max((heads_of(r) for r in members if r.attention), default=0)
+        self.queries = next((r for r in members if r.attention and heads_of(r) == self.heads), None)
         self.minimum = float(sum(nbytes(node.outputs[0]) for node, _, _ in self.rows))
         self.whole = (sum(dot_flops(r.projection.node) for r in members) + sum(dot_flops(n) for n, _, _ in self.rows)
                       + sum(dot_flops(n) for n in self.attention))
 
-    def price(self, ways: int, split: tuple[Region, ...], extra: float = 0.0) -> Price:
+    def price(self, ways: int, split: tuple[Region, ...], extra: float = 0.0, heads: int = 0) -> Price:
+        """``heads``: the padded head count of the zero-heads alternative (each device holds
+        ``heads / ways`` heads of the ``self.heads`` real ones)."""
+        padded = heads / ways / self.heads if heads else None
         flops = params = 0.0
         for r in self.members:
-            share = _share(r.projection.size, ways) if r in split else 1.0
+            share = (padded or _share(r.projection.size, ways)) if r in split else 1.0
             flops += dot_flops(r.projection.node) * share
             params += _param_bytes(r) * share
-        row_share = 1.0 if not split else None
         for node, param, dim in self.rows:
-            share = row_share or _share(param.shape[dim], ways)
+            share = (padded or _share(param.shape[dim], ways)) if split else 1.0
             flops += dot_flops(node) * share
             params += nbytes(param) * share
-        attn_share = _share(self.heads, ways) if self.queries in split and self.heads else 1.0
+        attn_share = (padded or _share(self.heads, ways)) if self.queries in split and self.heads else 1.0
         flops += sum(dot_flops(n) for n in self.attention) * attn_share
         comm = (self.minimum if split else 0.0) + extra
         return Price(flops, comm, params, self.whole, self.minimum)

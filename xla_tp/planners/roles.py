@@ -35,7 +35,7 @@ from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.regions import Projection, Region, describe, explore, is_attention, projections
 from ..lowering.packed import Packing
 from ..plan.subaxis import sub_axis
-from .alternatives import Choice, choose
+from .alternatives import Choice, blocks_of, choose
 
 Axes = tuple[Optional[str], ...]
 
@@ -59,7 +59,8 @@ class Roles:
     groups: list[list[str]] = field(default_factory=list)  # column members of each split group
     choices: list[Choice] = field(default_factory=list)  # blocks off the optimum: their priced alternatives
     whole_attention: list[str] = field(default_factory=list)  # attention no block splits, and why
-    sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks
+    sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks or merge
+    # heads with the batch
     natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
     # weight is an embedding in one module and an output head in another)
 
@@ -76,8 +77,8 @@ class Roles:
         self.params[weight.name] = role
 
 
-def decide(graph: Graph, tp: int) -> Roles:
-    """See the module docstring."""
+def decide(graph: Graph, tp: int, padding: str = "") -> Roles:
+    """See the module docstring. ``padding``: why no block may add zero heads (``alternatives``)."""
     roles = Roles()
     projs = projections(graph)
     regions = [explore(graph, p) for p in projs]
@@ -85,7 +86,7 @@ def decide(graph: Graph, tp: int) -> Roles:
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set()
     for group in _groups(regions):
-        _apply_group(graph, group, tp, roles, taken, reasons, covered)
+        _apply_group(graph, group, tp, roles, taken, reasons, covered, padding)
     _mha(graph, tp, roles, covered)
     vocab = _embeddings(graph, roles)
     for region in regions:
@@ -142,20 +143,20 @@ def _groups(regions: list[Region]) -> list[list[Region]]:
 
 
 def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken: dict[int, str],
-                 reasons: dict[int, str], covered: set[int]) -> None:
+                 reasons: dict[int, str], covered: set[int], padding: str) -> None:
     members = [r for r in group if r.projection.node.index not in taken]
     rows = {i: row for r in members for i, row in r.rows.items()}
     if not members or any(i in taken for i in rows):
         for r in members:
             reasons.setdefault(r.projection.node.index, "its partner projection is already split by another group")
         return
-    ways, split_regions, relaid, chosen = tp, members, True, ""
+    ways, split_regions, relaid, pad, chosen = tp, members, True, (0, 0), ""
     problems = [why for r in members if (why := _problem(r, tp))]
     if problems:  # off the optimum: the cheapest valid alternative (alternatives.py)
-        choice = choose(graph, members, rows, tp, _problem, problems[0])
+        choice = choose(graph, members, rows, tp, _problem, problems[0], padding)
         roles.choices.append(choice)
         alt = choice.chosen
-        ways, split_regions, relaid = alt.ways, list(alt.split), alt.relaid
+        ways, split_regions, relaid, pad = alt.ways, list(alt.split), alt.relaid, alt.padded
         chosen = f" (cheapest of {len(choice.alternatives)} ways to split this block: {alt.name})"
     dropped = [r for r in members if r not in split_regions]
     for r in dropped:
@@ -177,23 +178,32 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
     for r in split_regions:
         p = r.projection
         what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
+        packing = _padding(p.out_dims[0], blocks_of(r), ways, pad) if pad[0] else _packing(r, ways) if relaid else None
         _set_column(roles, p, "column", logical, f"column-parallel: {what} split {ways} ways, read by "
-                    f"{_row_names(rows)}{chosen}", packing=_packing(r, ways) if relaid else None)
+                    f"{_row_names(rows)}{chosen}", packing=packing)
         taken[p.node.index] = "column"
         covered |= r.attention
         if r.windows and relaid:
             roles.sites |= r.slicers
+        roles.sites |= r.merges  # heads merged with the batch: kept 4-D there (lowering.bmm)
     for index, (node, param, dim) in rows.items():
         axes = ["embed"] * len(param.shape)
         axes[dim] = logical
         cols = ", ".join(r.projection.name.rpartition(".")[0] for r in split_regions)
+        packing = _padding(dim, ((0, param.shape[dim]),), ways, pad) if pad[0] else None
         roles.set(param, ParamRole("row", tuple(axes), f"row-parallel: contracts the split features of {cols}; "
-                                   f"one all-reduce of its output", "partial"), node.module)
+                                   f"one all-reduce of its output", "partial", packing), node.module)
         bias = _row_bias(node, param)
         if bias is not None:
             roles.set(bias, _replicated(bias, "bias of a row-parallel projection: added once, after the reduction"))
         taken[index] = "row"
     roles.groups.append([r.projection.name for r in split_regions])
+
+
+def _padding(dim: int, blocks: tuple[tuple[int, int], ...], tp: int, pad: tuple[int, int]) -> Packing:
+    """Each block of ``pad[0]`` heads grown to ``pad[1]`` heads with zero heads, laid device-major."""
+    heads, padded = pad
+    return Packing(dim, blocks, tp, tuple(n // heads * padded for _, n in blocks))
 
 
 def _problem(r: Region, ways: int) -> str:
@@ -233,14 +243,7 @@ def _packing(r: Region, tp: int) -> Optional[Packing]:
 
 def _blocks(r: Region) -> Optional[tuple[tuple[int, int], ...]]:
     """The blocks consumers slice a packed projection into, covering all its outputs; None if unpacked."""
-    if not r.windows:
-        return None
-    size = r.projection.size
-    cuts = {0, size}
-    for base, span in r.windows:
-        cuts |= {int(base), int(base + span)}
-    edges = sorted(cuts)
-    return tuple((a, b - a) for a, b in zip(edges, edges[1:]))
+    return blocks_of(r) if r.windows else None
 
 
 def _packing_problem(r: Region, tp: int) -> str:
@@ -261,7 +264,7 @@ def _set_column(roles: Roles, p: Projection, kind: str, logical: str, why: str,
         axes[d] = None
     roles.set(p.weight, ParamRole(kind, tuple(axes), why, "shard", packing), p.node.module)
     if p.bias is not None:
-        bias_pack = Packing(0, packing.blocks, packing.tp) if packing else None
+        bias_pack = packing.for_bias() if packing else None
         roles.set(p.bias, ParamRole(kind, (logical,), f"bias of a {why.split(':')[0]} projection: split with "
                                                       f"its outputs", "shard", bias_pack))
 
