@@ -1,7 +1,7 @@
 """Projections and the regions their output features flow through.
 
 A projection is a contraction of one activation with one parameter (``nn.Linear``, HF ``Conv1D``,
-``x @ W``, an einsum with a weight). Its ``region`` is everything its output features reach when
+``x @ W``, an einsum with a weight, a convolution over its channels). Its ``region`` is everything its output features reach when
 they are split over devices: followed op by op (``ops.step``) until each path ends in another
 projection that contracts them (a ``row``: Megatron's row-parallel layer), dies, reaches the
 model's output, or meets an op that needs the whole feature dimension (a ``stop``). A projection
@@ -29,6 +29,7 @@ from .ops import step, trace_param
 from .shapes import Factor, Features
 
 ATTENTION_OPS = ("scaled_dot_product_attention", "multi_head_attention_forward")
+PROJECTION_OPS = ("linear", "addmm", "mm", "matmul", "rmatmul", "einsum", "conv1d", "conv2d", "conv3d")
 
 
 @dataclass(eq=False)
@@ -55,7 +56,7 @@ def projections(graph: Graph) -> list[Projection]:
     """Every activation x parameter contraction, in call order."""
     found = []
     for node in graph.nodes:
-        spec = contraction(node) if node.op in ("linear", "addmm", "mm", "matmul", "rmatmul", "einsum") else None
+        spec = contraction(node) if node.op in PROJECTION_OPS else None
         if spec is None or len(spec.operands) != 2:
             continue
         acts = [(v, l) for v, l in spec.operands if v.dynamic]

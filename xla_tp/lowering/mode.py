@@ -1,7 +1,8 @@
 """The packed-output mode: re-laid packed projections read in place where the model slices them.
 
-A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output, or merge
-heads with the batch before a ``bmm`` (``bmm``: kept 4-D), their ``scope`` sites. A projection whose weight was re-laid device-major (``packed``) has its output
+A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output, merge
+heads with the batch before a ``bmm`` (``bmm``: kept 4-D) or embed patches (``patchify``: an einsum),
+their ``scope`` sites. A projection whose weight was re-laid device-major (``packed``) has its output
 tagged; the model's own ``split``/``chunk``/slicing of it then gets each block read in place
 (``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
 output gets the original order back (with one warning naming the op: it moves data). Example::
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import bmm, packed
+from . import bmm, packed, patchify
 
 _state = threading.local()
 GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see patches' wrapper of it instead
@@ -169,7 +170,7 @@ def _plain(handler: Callable) -> Callable:
 
 
 _HANDLERS: dict[Callable, Callable] = {F.linear: _projection, torch.addmm: _projection,
-                                       **{f: _plain(h) for f, h in bmm.HANDLERS.items()}}
+                                       **{f: _plain(h) for f, h in {**bmm.HANDLERS, **patchify.HANDLERS}.items()}}
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _KEEPS_LAST = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,

@@ -27,6 +27,7 @@ LOGICAL_AXES: tuple[tuple[str, Optional[str]], ...] = (
     ("heads", TP),
     ("kv_heads", TP),
     ("mlp", TP),
+    ("kernel", TP),  # a patch embedding's kernel rows
     ("embed", None),
 )
 _TABLE = dict(LOGICAL_AXES)

@@ -38,6 +38,9 @@ def dot_flops(node: Node) -> int:
         q, k, v = (node.arg(i, n) for i, n in enumerate(("query", "key", "value")))
         batch = math.prod(node.outputs[0].shape[:-2])
         return 2 * batch * q.shape[-2] * k.shape[-2] * (q.shape[-1] + v.shape[-1])
+    if node.op in ("conv1d", "conv2d", "conv3d"):
+        weight = node.arg(1, "weight")  # [out, in / groups, *kernel]: each output element reads in x kernel
+        return 2 * math.prod(node.outputs[0].shape) * math.prod(weight.shape[1:])
     spec = contraction(node)
     if spec is None or len(spec.operands) < 2:
         return 0

@@ -36,6 +36,7 @@ from ..dataflow.regions import Projection, Region, describe, explore, is_attenti
 from ..lowering.packed import Packing
 from ..plan.subaxis import sub_axis
 from .alternatives import Choice, blocks_of, choose
+from ..lowering.patchify import patches
 
 Axes = tuple[Optional[str], ...]
 
@@ -97,6 +98,9 @@ def decide(graph: Graph, tp: int, padding: str = "") -> Roles:
             _set_column(roles, region.projection, "head", "vocab", "output head: vocab-parallel, its features only "
                         "reach the model's output (logits stay split, ready for a loss-parallel cross-entropy)")
             taken[node.index] = "head"
+        elif patches(region.projection):
+            _set_patches(roles, region.projection)
+            taken[node.index] = "row"
         else:
             why = reasons.get(node.index) or _stop_reason(region)
             roles.set(region.projection.weight, _replicated(region.projection.weight, why))
@@ -306,6 +310,18 @@ def _is_head(region: Region, vocab: dict[str, int], tp: int) -> bool:
         return False
     p = region.projection
     return p.weight.name in vocab or p.size in vocab.values() or -(-p.size // tp) < p.size
+
+
+def _set_patches(roles: Roles, p: Projection) -> None:
+    """A patch embedding (``patches``): split over its kernel rows, like a vocabulary-parallel embedding."""
+    axes = (None, None, "kernel") + (None,) * (len(p.weight.shape) - 3)
+    roles.set(p.weight, ParamRole("row", axes, f"patch embedding: a convolution over non-overlapping "
+                                  f"{'x'.join(map(str, p.weight.shape[2:]))} patches, split over its kernel rows "
+                                  f"(each device sums its rows of every patch); one all-reduce of its output",
+                                  "partial"), p.node.module)
+    if p.bias is not None:
+        roles.set(p.bias, _replicated(p.bias, "bias of a row-parallel projection: added once, after the reduction"))
+    roles.sites.add(p.node.module)  # where the lowering writes the convolution as an einsum (lowering.patchify)
 
 
 def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
