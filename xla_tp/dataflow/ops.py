@@ -64,6 +64,7 @@ class Step:
     outputs: list[tuple[int, Features]] = field(default_factory=list)
     stop: Stop = ""
     row: Optional[tuple[Value, int]] = None  # (the parameter contracted against, its sharded dim)
+    ends: str = ""  # the features are reduced away here, split (a vocabulary-parallel loss: ``vocab``)
 
 
 def stop(why: str) -> Step:
@@ -429,4 +430,11 @@ _GROUPS = ((POINTWISE | FIRST_ONLY - VIEWS - EXPANDS, _pointwise), (VIEWS, _view
            (PERMUTES, _permute), (SLICES, _slices), (REDUCTIONS, _reduce), (ALONG_DIM, _along_dim),
            (frozenset(CONTRACTIONS), _contract))
 
-__all__ = ["Step", "step", "trace_param"]
+
+
+def register(handlers: dict[str, Callable[[Node, int, Features], Union[Step, Stop]]]) -> None:
+    """Add handlers for ops by name (``vocab`` registers the vocabulary-parallel loss this way)."""
+    _HANDLERS.update(handlers)
+
+
+__all__ = ["Step", "register", "step", "trace_param"]

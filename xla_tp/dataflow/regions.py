@@ -93,6 +93,7 @@ class Region:
     windows: set[tuple[Fraction, Fraction]] = field(default_factory=set)  # blocks of a packed projection
     slicers: set[str] = field(default_factory=set)  # modules whose forward slices those blocks
     merges: set[str] = field(default_factory=set)  # modules where the features are merged with the batch
+    ends: dict[int, str] = field(default_factory=dict)  # node index -> how a split loss reduces the features
 
     @property
     def ok(self) -> bool:
@@ -131,6 +132,9 @@ def explore(graph: Graph, proj: Projection) -> Region:
                 return region
             if s.row is not None:
                 region.rows[node.index] = (node, *s.row)
+                continue
+            if s.ends:
+                region.ends.setdefault(node.index, s.ends)
                 continue
             for i, f in s.outputs:
                 out = node.outputs[i]

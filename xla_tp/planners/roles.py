@@ -95,8 +95,11 @@ def decide(graph: Graph, tp: int, padding: str = "") -> Roles:
         if node.index in taken:
             continue
         if _is_head(region, vocab, tp):
-            _set_column(roles, region.projection, "head", "vocab", "output head: vocab-parallel, its features only "
-                        "reach the model's output (logits stay split, ready for a loss-parallel cross-entropy)")
+            loss = next(iter(region.ends.values()), "")
+            _set_column(roles, region.projection, "head", "vocab", "output head: vocab-parallel, " + (
+                f"the loss in the forward reduces its logits split ({loss}, as Megatron's vocab-parallel "
+                f"cross-entropy)" if loss else "its features only reach the model's output (logits stay split, "
+                "ready for a loss-parallel cross-entropy)"))
             taken[node.index] = "head"
         elif patches(region.projection):
             _set_patches(roles, region.projection)
@@ -305,8 +308,9 @@ def _is_input(v: Value) -> bool:
 
 
 def _is_head(region: Region, vocab: dict[str, int], tp: int) -> bool:
-    """An output head worth splitting: features reach only the output, more of them than devices."""
-    if not region.ok or region.rows or region.attention or not region.reaches_output:
+    """An output head worth splitting: features reach only the output (or a loss over them, ``vocab``),
+    more of them than devices."""
+    if not region.ok or region.rows or region.attention or not (region.reaches_output or region.ends):
         return False
     p = region.projection
     return p.weight.name in vocab or p.size in vocab.values() or -(-p.size // tp) < p.size
