@@ -16,9 +16,9 @@ Example (a projection's 64 features, viewed as 8 heads of 8):
 >>> out = step(view, 0, Features.whole(2, 64)).outputs[0][1]
 >>> out.lead.dim, out.lead.size
 (2, 8)
->>> softmax = trace(torch.nn.Softmax(-1), (torch.zeros(2, 5, 64),)).nodes[0]
->>> step(softmax, 0, Features.whole(2, 64)).stop
-'softmax runs along the sharded dimension'
+>>> norm = trace(torch.nn.LayerNorm(64), (torch.zeros(2, 5, 64),)).nodes[0]
+>>> step(norm, 0, Features.whole(2, 64)).stop
+'layer_norm normalises over the sharded dimension'
 """
 from __future__ import annotations
 
