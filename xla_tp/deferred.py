@@ -2,8 +2,8 @@
 
 When ``plan_for`` cannot build an input from what the model declares (``dataflow.inputs``), the
 model is left as it is, with its forward replaced by a one-off step: at the first call it plans from
-that call's arguments (traced on fake copies: nothing the caller passed is read or written; an
-argument that is not a tensor, a number or a string, such as a KV cache, is left out of the trace),
+that call's arguments (``dataflow.inputs.plannable``: tensors traced as fake copies, other objects
+deep-copied, so nothing the caller passed is changed),
 parallelizes the model with that plan, puts the model's own forward back and runs the call on the
 parallelized model. Example::
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import warnings
 from typing import Any, Callable
 
-import torch
 from torch import nn
-from torch.utils._pytree import tree_map
+
+from .dataflow.inputs import plannable
 
 _ATTR = "_xla_tp_deferred"  # on a module waiting for its first call: the forward to put back (or None)
 Parallelize = Callable[[tuple, dict], None]  # parallelizes the module, planned from these arguments
@@ -47,11 +47,3 @@ def restore(module: nn.Module) -> None:
         vars(module).pop("forward", None)
     else:
         module.forward = own
-
-
-def plannable(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The arguments a planning trace may see: tensors (only their shapes are read), numbers, strings,
-    containers of them; anything else (a KV cache object) becomes None."""
-    def keep(a: Any) -> Any:
-        return a if a is None or isinstance(a, (torch.Tensor, int, float, bool, str)) else None
-    return tree_map(keep, args), tree_map(keep, kwargs)

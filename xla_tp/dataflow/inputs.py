@@ -14,18 +14,21 @@ start token. Any other module gets token ids if its first layer is an embedding,
 ``Conv2d``, else floats of its first layer's input width. Example:
 
 >>> from torch import nn
+from torch.utils._pytree import tree_map
 >>> args, kwargs = synthesize(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
 >>> args[0].shape, kwargs
 (torch.Size([2, 3, 32, 32]), {})
 """
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 from typing import Any, Optional
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map
 
 from ..errors import PlanError
 
@@ -103,6 +106,20 @@ def default_kwargs(model: nn.Module) -> dict[str, Any]:
     """``use_cache=False`` for models whose forward takes it (no KV cache in a planning trace)."""
     takes = _takes(model, "use_cache") or hasattr(getattr(model, "config", None), "use_cache")
     return {"use_cache": False} if takes else {}
+
+
+def plannable(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A real call's arguments as a planning trace may see them: tensors (the trace reads their shapes only),
+    numbers and strings as they are; any other object (an options object, a KV cache) deep-copied, so the
+    traced forward may change the copy only (left out if it cannot be copied)."""
+    def keep(a: Any) -> Any:
+        if a is None or isinstance(a, (torch.Tensor, int, float, bool, str)):
+            return a
+        try:
+            return copy.deepcopy(a)
+        except Exception:
+            return None
+    return tree_map(keep, args), tree_map(keep, kwargs)
 
 
 def _plain_inputs(model: nn.Module) -> tuple:

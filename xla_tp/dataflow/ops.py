@@ -416,6 +416,20 @@ def _pad(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     return _one(node, feats)
 
 
+def _gather(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
+    """``gather``/``take_along_dim`` along another dimension than the split one: the output is shaped
+    like the index, the features stay on their dims (the index must match them there)."""
+    if pos != 0:
+        return "indexes with a sharded tensor"
+    rank = _rank(node.tensors[0])
+    dim, out = node.arg(1, "dim"), node.outputs[0]
+    if dim is None or _norm_dim(dim, rank) in feats.dims():
+        return f"'{node.op}' picks along the sharded dimension"
+    if any(out.shape[f.dim] != node.tensors[0].shape[f.dim] for f in feats.factors):
+        return f"'{node.op}' with an index that does not cover the sharded dimension"
+    return _one(node, feats)
+
+
 def _setitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     return "writes a sharded tensor in place"
 
@@ -424,7 +438,7 @@ _HANDLERS: dict[str, Callable[[Node, int, Features], Union[Step, Stop]]] = {
     "getitem": _getitem, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
     "view_as_complex": _view_complex, "view_as_real": _view_complex, "layer_norm": _norm,
     "rms_norm": _norm, "repeat_interleave": _repeat_interleave, "repeat": _repeat, "pad": _pad,
-    "setitem": _setitem,
+    "setitem": _setitem, "gather": _gather, "take_along_dim": _gather,
 }
 _GROUPS = ((POINTWISE | FIRST_ONLY - VIEWS - EXPANDS, _pointwise), (VIEWS, _view), (EXPANDS, _expand),
            (PERMUTES, _permute), (SLICES, _slices), (REDUCTIONS, _reduce), (ALONG_DIM, _along_dim),

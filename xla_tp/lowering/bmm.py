@@ -5,7 +5,7 @@ merges the batch in front of the heads cannot stay split over the heads, so the 
 q, k and v and runs attention whole. Inside the modules the planner names (``Region.merges``), the
 lowering's mode (``mode``) hands these ops to the handlers here: a merge is computed as the model
 asks, and the result carries its 4-D source (``_SOURCE``); ``bmm``/``baddbmm``, ``transpose`` of the
-last two dims, ``softmax``, dropout, casts and arithmetic on such tensors are computed on the 4-D
+last two dims, ``softmax``, ``gather``, dropout, casts and arithmetic on such tensors are computed on the 4-D
 sources (``einsum`` with batch and heads both visible), and a view back to ``[B, H, ...]`` returns
 the 4-D result. The merged tensors nobody else reads are dropped by the compiler; an op not listed
 here reads the merged tensor itself (correct, only slower). Example:
@@ -60,7 +60,7 @@ def _as4(t: Any, batch: int, heads: int) -> Any:
     if four is not None:
         return four
     if t.dim() == 3 and t.shape[0] == batch * heads:
-        return t.view(batch, heads, *t.shape[1:])
+        return t.reshape(batch, heads, *t.shape[1:])
     return t.unsqueeze(0) if t.dim() == 3 else t
 
 
@@ -129,12 +129,36 @@ def _elementwise(func: Callable) -> Callable:
     return handler
 
 
+def gather(x: torch.Tensor, dim: int, index: torch.Tensor, **kwargs: Any) -> Any:
+    """``gather`` along another dim than the merged one (DeBERTa's relative positions), on the sources."""
+    dims = _dims((x,), {})
+    if dims is None or dim % x.dim() == 0:
+        return NotImplemented
+    return _lift(torch.gather(_as4(x, *dims), dim if dim < 0 else dim + 1, _as4(index, *dims), **kwargs))
+
+
+def _in_place(func: Callable, out_of_place: Callable) -> Callable:
+    """``score += x`` on a merged tensor: done in place as asked, and its source becomes the result on the sources."""
+    def handler(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        dims = _dims((x, *args), kwargs)
+        if dims is None or source(x) is None:
+            return NotImplemented
+        four = out_of_place(_as4(x, *dims), *(_as4(a, *dims) for a in args), **kwargs)
+        return _tagged(func(x, *args, **kwargs), four)
+    return handler
+
+
+ARITHMETIC = ("add", "sub", "mul", "truediv", "radd", "rsub", "rmul", "rtruediv")
 HANDLERS: dict[Callable, Callable] = {
+    torch.gather: gather, torch.Tensor.gather: gather,
     torch.bmm: bmm, torch.Tensor.bmm: bmm, torch.baddbmm: baddbmm, torch.Tensor.baddbmm: baddbmm,
     torch.Tensor.transpose: transpose, torch.transpose: transpose,
     torch.Tensor.reshape: reshape, torch.Tensor.view: reshape, torch.reshape: reshape,
     **{f: _along_last(f) for f in (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax)},
     **{f: _elementwise(f) for f in (F.dropout, torch.Tensor.to, torch.Tensor.float, torch.Tensor.type_as,
-                                    torch.Tensor.__mul__, torch.Tensor.__truediv__, torch.Tensor.__add__,
-                                    torch.Tensor.__sub__, torch.Tensor.masked_fill, torch.Tensor.contiguous)},
+                                    torch.Tensor.masked_fill, torch.Tensor.contiguous, torch.add, torch.mul, torch.div,
+                                    torch.Tensor.add, torch.Tensor.mul, torch.Tensor.div, torch.Tensor.sub,
+                                    *(getattr(torch.Tensor, f"__{op}__") for op in ARITHMETIC))},
+    **{getattr(torch.Tensor, f"{op}_"): _in_place(getattr(torch.Tensor, f"{op}_"), getattr(torch.Tensor, op))
+       for op in ("add", "sub", "mul", "div")},
 }

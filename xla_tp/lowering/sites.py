@@ -82,10 +82,11 @@ def _rows_split(layout: Layout, fqn: str) -> bool:
 def trace_groups(model: nn.Module, layout: Layout, args: tuple, kwargs: dict[str, Any], tp: int) -> list[list[str]]:
     """``find_groups`` for ``model`` called with ``args``/``kwargs``; [] when the forward cannot be
     traced on fake tensors."""
+    from ..dataflow.inputs import plannable
     from ..dataflow.trace import trace
     from ..errors import PlanError
     try:
-        graph = trace(model, args, kwargs)
+        graph = trace(model, *plannable(args, kwargs))  # the caller's objects (a KV cache) left as they were
     except PlanError:
         return []
     return find_groups(model, layout, tp, graph)
