@@ -14,7 +14,6 @@ start token. Any other module gets token ids if its first layer is an embedding,
 ``Conv2d``, else floats of its first layer's input width. Example:
 
 >>> from torch import nn
-from torch.utils._pytree import tree_map
 >>> args, kwargs = synthesize(nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU()))
 >>> args[0].shape, kwargs
 (torch.Size([2, 3, 32, 32]), {})

@@ -49,7 +49,7 @@ def _choices(plan: Mapping, tp: int) -> list[str]:
         if head in seen:
             continue
         seen.add(head)
-        lines += [head, *(f"    {'*' if i == 0 else ' '} {alt.name}: {alt.price.text(tp)}"
+        lines += [head, *(f"    {'*' if i == choice.picked else ' '} {alt.name}: {alt.price.text(tp)}"
                           for i, alt in enumerate(choice.alternatives)),
                   *(f"      not valid: {_pattern(text)}" for text in choice.invalid)]
     whole = list(dict.fromkeys(f"  {_pattern(line)}" for line in getattr(plan, "whole_attention", ())))

@@ -27,6 +27,7 @@ from ..dataflow.trace import trace
 from ..errors import PlanError
 from ..mesh import canonical_axis, to_xs_mesh
 from .plan import Plan, build_plan
+from .alternatives import Pick
 from .padding import padding_problem
 from .roles import decide
 
@@ -49,7 +50,8 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
-             example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False) -> Plan:
+             example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
+             pick: Optional[Pick] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
     ``mesh`` is any mesh ``parallelize_xla`` accepts, or axis sizes such as ``{"model": 4}``. Without
@@ -58,6 +60,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     the cheapest valid alternative (``plan.choices``); attention nothing splits is computed whole
     (``plan.whole_attention``); a weight whose role cannot be determined stays replicated, its reason
     in ``plan.replicated``. ``strict=True`` accepts only the optimum: any of these is a ``PlanError``.
+    ``pick(choice)`` may take another of a block's alternatives than the cheapest (``choice.alternatives``).
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
     if not isinstance(model, nn.Module):
@@ -65,11 +68,11 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     tp = axis_size(mesh, tp_axis)
     graph = trace(model, example_inputs, example_kwargs)
     on_meta = any(p.is_meta for p in model.parameters())
-    plan = build_plan(model, graph, decide(graph, tp, "the model is on meta: its own init would fill the zero "
-                                                      "heads" if on_meta else ""))
+    meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
+    plan = build_plan(model, graph, decide(graph, tp, meta, pick))
     problem = padding_problem(model, plan.packings, graph, example_inputs, example_kwargs)
     if problem:  # zero heads were cheapest but the model does not run with them: the next best
-        plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})"))
+        plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})", pick))
     if strict:
         _require_optimum(model, plan)
     if not plan:

@@ -54,16 +54,21 @@ class Alternative:
 
 @dataclass
 class Choice:
-    """The alternatives of one block, cheapest first; ``chosen`` is the first."""
+    """The alternatives of one block, cheapest first; ``chosen`` is the one taken (the cheapest unless a
+    ``Pick`` said otherwise)."""
 
     block: str  # the modules of the block's projections, for explanations
     why: str  # what keeps the block from the optimum
     alternatives: list[Alternative] = field(default_factory=list)
     invalid: list[str] = field(default_factory=list)  # alternatives that cannot apply, with the reason
+    picked: int = 0
 
     @property
     def chosen(self) -> Alternative:
-        return self.alternatives[0]
+        return self.alternatives[self.picked]
+
+
+Pick = Callable[[Choice], Alternative]  # which alternative a block takes (``plan_for(pick=...)``)
 
 
 def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Problem, why: str,

@@ -34,9 +34,9 @@ from typing import Optional
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.regions import Projection, Region, describe, explore, is_attention, projections
 from ..lowering.packed import Packing
-from ..plan.subaxis import sub_axis
-from .alternatives import Choice, blocks_of, choose
 from ..lowering.patchify import patches
+from ..plan.subaxis import sub_axis
+from .alternatives import Choice, Pick, blocks_of, choose
 
 Axes = tuple[Optional[str], ...]
 
@@ -78,8 +78,9 @@ class Roles:
         self.params[weight.name] = role
 
 
-def decide(graph: Graph, tp: int, padding: str = "") -> Roles:
-    """See the module docstring. ``padding``: why no block may add zero heads (``alternatives``)."""
+def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None) -> Roles:
+    """See the module docstring. ``padding``: why no block may add zero heads (``alternatives``);
+    ``pick``: which alternative a block off the optimum takes (default: the cheapest)."""
     roles = Roles()
     projs = projections(graph)
     regions = [explore(graph, p) for p in projs]
@@ -87,7 +88,7 @@ def decide(graph: Graph, tp: int, padding: str = "") -> Roles:
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set()
     for group in _groups(regions):
-        _apply_group(graph, group, tp, roles, taken, reasons, covered, padding)
+        _apply_group(graph, group, tp, roles, taken, reasons, covered, padding, pick)
     _mha(graph, tp, roles, covered)
     vocab = _embeddings(graph, roles)
     for region in regions:
@@ -150,7 +151,7 @@ def _groups(regions: list[Region]) -> list[list[Region]]:
 
 
 def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken: dict[int, str],
-                 reasons: dict[int, str], covered: set[int], padding: str) -> None:
+                 reasons: dict[int, str], covered: set[int], padding: str, pick: Optional[Pick]) -> None:
     members = [r for r in group if r.projection.node.index not in taken]
     rows = {i: row for r in members for i, row in r.rows.items()}
     if not members or any(i in taken for i in rows):
@@ -161,10 +162,13 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
     problems = [why for r in members if (why := _problem(r, tp))]
     if problems:  # off the optimum: the cheapest valid alternative (alternatives.py)
         choice = choose(graph, members, rows, tp, _problem, problems[0], padding)
+        if pick is not None:
+            choice.picked = choice.alternatives.index(pick(choice))
         roles.choices.append(choice)
         alt = choice.chosen
         ways, split_regions, relaid, pad = alt.ways, list(alt.split), alt.relaid, alt.padded
-        chosen = f" (cheapest of {len(choice.alternatives)} ways to split this block: {alt.name})"
+        chosen = f" ({'cheapest' if choice.picked == 0 else 'picked'} of {len(choice.alternatives)} ways to split " \
+                 f"this block: {alt.name})"
     dropped = [r for r in members if r not in split_regions]
     for r in dropped:
         why = (_problem(r, tp) or "the block is computed whole") + chosen
