@@ -1,2 +1,2 @@
 """One forward traced on fake tensors (``trace``), and how split features flow through it (``ops``, ``regions``)."""
-from . import vocab  # noqa: F401  (registers the vocabulary-parallel softmax and loss with ops.step)
+from . import indexing, vocab  # noqa: F401  (register slicing and the vocabulary-parallel loss with ops.step)

@@ -11,7 +11,7 @@ alternatives, each priced from the traced shapes (``prices``):
   keep each key/value head with its query heads.
 - **uneven split over tp**: every projection split ``tp`` ways as it is; XLA pads the rows, and a
   device's rows are not whole heads, so the compiler reshards the outputs (estimated: each such
-  output all-gathered).
+  output all-gathered, one more collective each).
 - **zero heads**: as many zero heads added to q, k and v (and zero inputs to the row projection) as
   make ``tp`` divide the heads, by re-laying the weights (``lowering.packed``; ``state_dict()`` keeps
   the original shapes). Zero heads add zeros to the output, so the model computes the same function.
@@ -88,11 +88,12 @@ def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Pr
             choice.invalid.append(f"{name}: {problem(next(iter(whole)), k) if whole else 'no row partner'}")
             continue
         choice.alternatives.append(Alternative(name, k, split, block.price(k, split)))
-    if any(problem(r, tp) for r in members):
-        extra = sum(nbytes(r.projection.node.outputs[0]) for r in members if problem(r, tp))
+    misaligned = [r for r in members if problem(r, tp)]
+    if misaligned:
+        extra = sum(nbytes(r.projection.node.outputs[0]) for r in misaligned)
         choice.alternatives.append(Alternative(
             f"uneven split over {tp} devices (XLA pads; outputs not in whole heads are resharded)", tp,
-            tuple(members), block.price(tp, tuple(members), extra), relaid=False))
+            tuple(members), block.price(tp, tuple(members), extra, reshards=len(misaligned)), relaid=False))
     if block.heads and block.heads % tp:
         padded = _padded(block, tp, padding)
         if isinstance(padded, str):
@@ -148,7 +149,8 @@ class _Block:
         self.whole = (sum(dot_flops(r.projection.node) for r in members) + sum(dot_flops(n) for n, _, _ in self.rows)
                       + sum(dot_flops(n) for n in self.attention))
 
-    def price(self, ways: int, split: tuple[Region, ...], extra: float = 0.0, heads: int = 0) -> Price:
+    def price(self, ways: int, split: tuple[Region, ...], extra: float = 0.0, heads: int = 0,
+              reshards: int = 0) -> Price:
         """``heads``: the padded head count of the zero-heads alternative (each device holds
         ``heads / ways`` heads of the ``self.heads`` real ones)."""
         padded = heads / ways / self.heads if heads else None
@@ -164,7 +166,7 @@ class _Block:
         attn_share = (padded or _share(self.heads, ways)) if self.queries in split and self.heads else 1.0
         flops += sum(dot_flops(n) for n in self.attention) * attn_share
         comm = (self.minimum if split else 0.0) + extra
-        return Price(flops, comm, params, self.whole, self.minimum)
+        return Price(flops, comm, params, self.whole, self.minimum, reshards)
 
 
 def _share(n: int, ways: int) -> float:

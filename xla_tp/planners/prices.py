@@ -7,7 +7,8 @@ whole block: unsharded FLOPs and Megatron's communication (one all-reduce of eac
 output). ``cost`` turns them into one number, FLOP-equivalents on a reference TPU: FLOPs per device,
 plus the bytes moved beyond Megatron's minimum times the chip's FLOPs per byte of interconnect (the
 minimum itself is the same for every valid split, and a plan that moves less does not gain: its
-collectives are not what bounds it). Example:
+collectives are not what bounds it), plus a fixed cost per collective beyond Megatron's. Prices are
+for the traced input's tokens: FLOPs and bytes grow with them, the fixed cost does not. Example:
 
 >>> from torch import nn
 >>> from xla_tp.dataflow.trace import trace
@@ -30,6 +31,9 @@ from ..dataflow.graph import Node, Value
 # Cloud TPU v5e: 197 TFLOP/s (bf16) per chip over 400 GB/s of inter-chip interconnect per chip
 # (tpu_configs/v5e-8.yaml): a byte moved costs the time of about 490 FLOPs.
 FLOPS_PER_BYTE = 197e12 / 400e9
+# A collective Megatron's layout does not need (a reshard inside a block) also waits for the devices and
+# the links: assumed 10 us (no vendor figure), about 2 GFLOPs of a v5e chip.
+FLOPS_PER_COLLECTIVE = 197e12 * 10e-6
 
 
 def dot_flops(node: Node) -> int:
@@ -66,6 +70,7 @@ class Price:
     params: float
     whole_flops: int
     minimum: float
+    reshards: int = 0  # collectives beyond Megatron's (an uneven split's gathers), estimated
 
     def balance(self, devices: int) -> float:
         """The audit's compute balance of the block: FLOPs per device x devices / unsharded FLOPs."""
@@ -74,8 +79,10 @@ class Price:
     @property
     def cost(self) -> float:
         """FLOP-equivalents per device (see the module docstring)."""
-        return self.flops + FLOPS_PER_BYTE * max(0.0, self.comm - self.minimum)
+        return (self.flops + FLOPS_PER_BYTE * max(0.0, self.comm - self.minimum)
+                + FLOPS_PER_COLLECTIVE * self.reshards)
 
     def text(self, devices: int) -> str:
-        return (f"cost {self.cost:,.0f}; balance {self.balance(devices):.2f}, {self.comm:,.0f} bytes moved/device "
-                f"(Megatron {self.minimum:,.0f}), parameters {self.params:,.0f} bytes/device")
+        reshards = f" in {self.reshards} more collectives" if self.reshards else ""
+        return (f"cost {self.cost:,.0f}; balance {self.balance(devices):.2f}, {self.comm:,.0f} bytes moved/device"
+                f"{reshards} (Megatron {self.minimum:,.0f}), parameters {self.params:,.0f} bytes/device")
