@@ -173,13 +173,25 @@ def test_bmm_attention_of_models_no_test_named(name):
     run_auto(ref, ids(shape=(2, 64)), mesh, 1, **DIVISIBLE)
 
 
-def test_gpt_bigcode_multi_query_runs():
-    """GPT-BigCode / StarCoder: q, k and v packed with one key/value head. Not refused; runs like the CPU."""
+def test_gpt_bigcode_multi_query_splits_q_and_copies_k_v():
+    """GPT-BigCode / StarCoder: q, k and v packed with one key/value head. The query heads split, every device
+    holds its own copy of the key/value block (re-laid packed weight), attention reads it in place; one
+    training step matches the CPU (the copies' gradients are summed, so they stay equal)."""
     mesh = xla_tp.make_mesh(data=2, model=4)
     cfg = transformers.GPTBigCodeConfig(n_embd=64, n_layer=1, n_head=8, vocab_size=128, n_positions=64,
                                         multi_query=True)
     ref = seeded(lambda: transformers.AutoModelForCausalLM.from_config(cfg))
-    run_auto(ref, ids(), mesh, 1, balance=2.0, memory=0.6)
+    report, model = run_auto(ref, ids(), mesh, 1, **DIVISIBLE)
+    assert tuple(model.transformer.h[0].attn.c_attn.weight.shape) == (64 + 4 * 16, 64)  # 16 q rows + k + v each
+    x = ids()
+    for m, inp in ((model, x.to(torch_xla.device())), (ref, x)):
+        F.cross_entropy(m(inp).logits.flatten(0, 1), inp.flatten()).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    torch_xla.sync()
+    after = model.state_dict()  # device 0's copies, in the original layout
+    assert all(max_err(after[k], v) < 1e-5 for k, v in ref.state_dict().items())
+    copies = model.transformer.h[0].attn.c_attn.weight.detach().cpu().view(4, 32, 64)[:, 16:]
+    assert max_err(copies, copies[:1].expand_as(copies)) == 0  # still equal on every device
 
 
 class TrainingLoss(nn.Module):

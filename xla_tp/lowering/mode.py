@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import bmm, packed, patchify
+from . import bmm, copies, packed, patchify
 
 _state = threading.local()
 GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see patches' wrapper of it instead
@@ -42,7 +42,7 @@ class Lowering(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.tagged and any(packed.tag_of(a) is not None for a in args):
             return self._on_tagged(func, args, kwargs)
-        handler = _HANDLERS.get(func)
+        handler = _HANDLERS.get(GETITEM if _is_getitem(func) else func)
         if handler is not None:
             out = handler(self, func, args, kwargs)
             if out is not NotImplemented:
@@ -162,17 +162,35 @@ def _projection(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
     out_dim = 0 if func is F.linear else 1
     if packing is None or packing.dim != out_dim or (len(packing.blocks) == 1 and packing.padded):
         return NotImplemented
+    # a copied block's copies get the sum of their gradients (weight and bias)
+    args = tuple(copies.summed(a, packed.packing_of(a)) for a in args)
+    kwargs = {k: copies.summed(v, packed.packing_of(v)) for k, v in kwargs.items()}
     return mode.tag(func(*args, **kwargs), packing)
 
 
-def _plain(handler: Callable) -> Callable:
-    return lambda mode, func, args, kwargs: handler(*args, **kwargs)
+def _plain(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
+    """The handlers of ``tables`` as the mode calls them; where several handle one function, the first
+    that does not return ``NotImplemented``."""
+    def first(handlers: list[Callable]) -> Callable:
+        def handler(mode: Lowering, func: Callable, args: tuple, kwargs: dict) -> Any:
+            for h in handlers:
+                out = h(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            return NotImplemented
+        return handler
+
+    funcs: dict[Callable, list[Callable]] = {}
+    for table in tables:
+        for func, h in table.items():
+            funcs.setdefault(func, []).append(h)
+    return {func: first(handlers) for func, handlers in funcs.items()}
 
 
 _HANDLERS: dict[Callable, Callable] = {F.linear: _projection, torch.addmm: _projection,
-                                       **{f: _plain(h) for f, h in {**bmm.HANDLERS, **patchify.HANDLERS}.items()}}
+                                       **_plain(copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS)}
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
-_KEEPS_LAST = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
+_KEEPS_LAST = {torch.Tensor.unsqueeze, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
                torch.Tensor.detach}
 

@@ -25,6 +25,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from .copies import copied_block
+
 ATTR = "_xla_tp_packing"  # on a re-laid parameter: its Packing (what the lowering mode reads)
 _OWNED = "_xla_tp_packings"  # on the owning module: parameter name -> Packing (what its state-dict hooks
 # read, so a tensor swapped in for the parameter, an optimizer state, is re-laid the same way)
@@ -37,12 +39,15 @@ class Packing:
 
     ``padded``: each block's size once zero features (whole zero heads) are appended to it, so that
     ``tp`` divides it; empty when nothing is padded. A padded parameter grows along ``dim``.
+    ``whole``: blocks every device holds a copy of, not a part (the one key/value head of multi-query
+    attention packed with the query heads); the parameter grows by the copies.
     """
 
     dim: int
     blocks: tuple[tuple[int, int], ...]
     tp: int
     padded: tuple[int, ...] = ()
+    whole: frozenset[int] = frozenset()
 
     @property
     def size(self) -> int:
@@ -51,8 +56,9 @@ class Packing:
 
     @property
     def sizes(self) -> tuple[int, ...]:
-        """Each block's size as laid out (padded or not)."""
-        return self.padded or tuple(n for _, n in self.blocks)
+        """Each block's size as laid out over all devices (padded, or copied: ``tp`` copies)."""
+        sizes = self.padded or tuple(n for _, n in self.blocks)
+        return tuple(n * self.tp if i in self.whole else n for i, n in enumerate(sizes))
 
     @property
     def laid_size(self) -> int:
@@ -66,28 +72,37 @@ class Packing:
         [0, 1, 4, 5, 2, 3, 6, 7]
         >>> Packing(0, ((0, 3),), 2, padded=(4,)).order().tolist()
         [0, 1, 2, -1]
+        >>> Packing(0, ((0, 4), (4, 1)), 2, whole=frozenset({1})).order().tolist()   # q split, k copied
+        [0, 1, 4, 2, 3, 4]
         """
-        idx = [start + d * (m // self.tp) + j if d * (m // self.tp) + j < n else -1
-               for d in range(self.tp) for (start, n), m in zip(self.blocks, self.sizes) for j in range(m // self.tp)]
+        idx = []
+        for d in range(self.tp):
+            for i, ((start, n), m) in enumerate(zip(self.blocks, self.sizes)):
+                share = m // self.tp
+                first = 0 if i in self.whole else d * share
+                idx += [start + first + j if first + j < n else -1 for j in range(share)]
         return torch.tensor(idx, dtype=torch.long)
 
     def inverse(self) -> torch.Tensor:
-        """Re-laid position of each original index."""
-        order = self.order()
-        kept = order >= 0
-        return torch.empty(self.size, dtype=torch.long).scatter_(0, order[kept], torch.arange(len(order))[kept])
+        """Re-laid position of each original index (of a copied block: device 0's copy)."""
+        first: dict[int, int] = {}
+        for pos, original in enumerate(self.order().tolist()):
+            if original >= 0:
+                first.setdefault(original, pos)
+        return torch.tensor([first[i] for i in range(self.size)], dtype=torch.long)
 
     def for_bias(self) -> "Packing":
-        return Packing(0, self.blocks, self.tp, self.padded)
+        return Packing(0, self.blocks, self.tp, self.padded, self.whole)
 
 
 def permute(t: torch.Tensor, packing: Packing) -> torch.Tensor:
     """``t`` (original layout along ``packing.dim``) re-laid: device-major, padding zeros included."""
-    order = packing.order().to(t.device)
-    if not packing.padded:
-        return t.index_select(packing.dim, order)
+    order = packing.order()
+    if not packing.padded:  # every position holds an original feature (copied blocks repeat some)
+        return t.index_select(packing.dim, order.to(t.device))
     zero = torch.zeros_like(t.narrow(packing.dim, 0, 1))
-    return torch.cat([t, zero], packing.dim).index_select(packing.dim, torch.where(order < 0, t.shape[packing.dim], order))
+    order = torch.where(order < 0, t.shape[packing.dim], order).to(t.device)
+    return torch.cat([t, zero], packing.dim).index_select(packing.dim, order)
 
 
 def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
@@ -154,17 +169,19 @@ def tag_of(t: Any) -> Optional[Packing]:
 
 def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:
     """Block ``index`` of a re-laid output ``y`` (features last): each device reads its own part (a
-    padded block with its zero features)."""
+    padded block with its zero features). A copied block: ``[..., tp, size]``, device ``d`` reading copy ``d``."""
     tp, sizes = packing.tp, packing.sizes
     offset = sum(sizes[:index]) // tp
     n = sizes[index] // tp
-    return y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n].flatten(-2)
+    part = y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n]
+    return part if index in packing.whole else part.flatten(-2)
 
 
 def unpermute(y: torch.Tensor, packing: Packing) -> torch.Tensor:
     """A re-laid output back in the original feature order, padding dropped (moves data: only for uses
     xla_tp cannot see)."""
-    return torch.cat([block(y, packing, i)[..., :n] for i, (_, n) in enumerate(packing.blocks)], dim=-1)
+    return torch.cat([block(y, packing, i).mean(-2) if i in packing.whole else block(y, packing, i)[..., :n]
+                      for i, (_, n) in enumerate(packing.blocks)], dim=-1)
 
 
 def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> Optional[list[torch.Tensor]]:
@@ -175,7 +192,13 @@ def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> 
     for start, stop in ranges:
         if start not in starts or stop not in ends:
             return None
-        parts = [block(y, packing, i) for i in range(starts[start], ends[stop] + 1)]
+        indices = range(starts[start], ends[stop] + 1)
+        if any(i in packing.whole for i in indices):  # a copied block comes alone, with its copies
+            if len(indices) > 1:
+                return None
+            out.append(copied_block(block(y, packing, indices[0])))
+            continue
+        parts = [block(y, packing, i) for i in indices]
         out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     return out
 

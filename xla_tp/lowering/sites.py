@@ -28,7 +28,7 @@ from ..dataflow.regions import projections
 from ..plan.layout import Layout, spec_axes
 from .embedding import lowerable
 from .groups import groupable
-from .packed import packing_of
+from .packed import ATTR, packing_of
 
 
 def packed_sites(model: nn.Module, slicers: frozenset[str] = frozenset()) -> set[str]:
@@ -85,8 +85,16 @@ def trace_groups(model: nn.Module, layout: Layout, args: tuple, kwargs: dict[str
     from ..dataflow.inputs import plannable
     from ..dataflow.trace import trace
     from ..errors import PlanError
-    try:
-        graph = trace(model, *plannable(args, kwargs))  # the caller's objects (a KV cache) left as they were
+    from .mode import Lowering
+    params = dict(model.named_parameters())
+
+    def relaid(name: str, fake: Any) -> Any:  # the fake weight re-laid like the real one (zero heads, copies)
+        packing = packing_of(params.get(name))
+        if packing is not None:
+            setattr(fake, ATTR, packing)
+        return fake
+    try:  # the caller's objects (a KV cache) are left as they were; re-laid weights read through the mode
+        graph = trace(model, *plannable(args, kwargs), swap=relaid, modes=(Lowering(),))
     except PlanError:
         return []
     return find_groups(model, layout, tp, graph)

@@ -69,10 +69,11 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     graph = trace(model, example_inputs, example_kwargs)
     on_meta = any(p.is_meta for p in model.parameters())
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
-    plan = build_plan(model, graph, decide(graph, tp, meta, pick))
+    plan = build_plan(model, graph, decide(graph, tp, meta, pick, copies=not on_meta))
     problem = padding_problem(model, plan.packings, graph, example_inputs, example_kwargs)
     if problem:  # zero heads were cheapest but the model does not run with them: the next best
-        plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})", pick))
+        plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})", pick,
+                                               copies=not on_meta))
     if strict:
         _require_optimum(model, plan)
     if not plan:

@@ -78,12 +78,17 @@ class Roles:
         self.params[weight.name] = role
 
 
-def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None) -> Roles:
+def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None, copies: bool = True) -> Roles:
     """See the module docstring. ``padding``: why no block may add zero heads (``alternatives``);
-    ``pick``: which alternative a block off the optimum takes (default: the cheapest)."""
+    ``pick``: which alternative a block off the optimum takes (default: the cheapest); ``copies``: whether
+    a packed block may be copied to every device (``Region.copied``; not for a model on meta)."""
     roles = Roles()
     projs = projections(graph)
     regions = [explore(graph, p) for p in projs]
+    for r in regions:
+        if r.copied and not copies:  # a model on meta: its own init would make the copies differ
+            r.stop = f"a block of it ({next(iter(r.copied.values()))}) would be copied to every device, which " \
+                     f"its own init on meta would make differ"
     taken: dict[int, str] = {}  # projection node index -> role kind
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set()
@@ -249,7 +254,12 @@ def _packing(r: Region, tp: int) -> Optional[Packing]:
     blocks = _blocks(r)
     if blocks is None:
         return None
-    return Packing(r.projection.out_dims[0], blocks, tp)
+    return Packing(r.projection.out_dims[0], blocks, tp, whole=_copied(r, blocks))
+
+
+def _copied(r: Region, blocks: tuple[tuple[int, int], ...]) -> frozenset[int]:
+    """The blocks every device gets a copy of (``Region.copied``)."""
+    return frozenset(i for i, b in enumerate(blocks) if b in r.copied)
 
 
 def _blocks(r: Region) -> Optional[tuple[tuple[int, int], ...]]:
@@ -261,7 +271,8 @@ def _packing_problem(r: Region, tp: int) -> str:
     if any(base.denominator != 1 or span.denominator != 1 for base, span in r.windows):
         return "its packed output is sliced at positions that are not whole features"
     blocks = _blocks(r)
-    if blocks and any(size % tp for _, size in blocks):
+    copied = _copied(r, blocks) if blocks else frozenset()
+    if blocks and any(size % tp for i, (_, size) in enumerate(blocks) if i not in copied):
         sizes = [s for _, s in blocks]
         return f"its packed output is sliced into blocks of {sizes}, which {tp} devices do not all divide"
     return ""
