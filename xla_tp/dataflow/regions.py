@@ -162,6 +162,11 @@ def explore(graph: Graph, proj: Projection) -> Region:
                     heapq.heappush(work, (out.index, out))
                 elif seen.lead.dim != f.lead.dim:
                     why = "meets itself split along two different dimensions"
+                    other = (seen.base, seen.span)  # the smaller block is copied (a key/value head, not the queries)
+                    if other != whole and other[1] < window[1] and _copy(region, other, why, node):
+                        region.values[out.index] = f
+                        heapq.heappush(work, (out.index, out))
+                        continue
                     if window != whole and _copy(region, window, why, node):
                         break
                     region.stop, region.stop_node = why, node
