@@ -64,7 +64,7 @@ def _mesh_and_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def cmd_audit(args: argparse.Namespace) -> int:
     import torch_xla
     import xla_tp
-    from .audit import audit
+    from .auditing import audit
     from .planners import plan_for
     from .zoo.registry import positional_args
     mesh, model, batch = _mesh_and_model(args)

@@ -2,7 +2,8 @@
 
 A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output (their
 ``scope`` sites). A projection whose weight was re-laid device-major (``packed``) has its output
-tagged; the model's own ``split``/``chunk``/slicing of it then gets each block read in place
+tagged (by ``entry``'s ``linear``/``addmm``); the model's own ``split``/``chunk``/slicing of it then
+gets each block read in place
 (``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
 output gets the original order back (with one warning naming the op: it moves data). Example::
 
@@ -16,13 +17,12 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from . import packed
 
 _state = threading.local()
-GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see patches' wrapper of it instead
+GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see entry's replacement of it instead
 
 
 def _is_getitem(func: Callable) -> bool:
@@ -41,11 +41,6 @@ class Lowering(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.tagged and any(packed.tag_of(a) is not None for a in args):
             return self._on_tagged(func, args, kwargs)
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            out = handler(self, func, args, kwargs)
-            if out is not NotImplemented:
-                return out
         return func(*args, **kwargs)
 
     def tag(self, out: torch.Tensor, packing: packed.Packing) -> torch.Tensor:
@@ -141,15 +136,6 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _projection(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
-    weight = args[1] if func is F.linear else (args[2] if len(args) > 2 else kwargs.get("mat2"))
-    packing = packed.packing_of(weight)
-    if packing is None:
-        return NotImplemented
-    return mode.tag(func(*args, **kwargs), packing)
-
-
-_HANDLERS: dict[Callable, Callable] = {F.linear: _projection, torch.addmm: _projection}
 _KEEPS_LAST = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
                torch.Tensor.detach}

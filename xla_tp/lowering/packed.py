@@ -3,7 +3,8 @@
 A packed weight split evenly over ``tp`` devices gives device 0 the first rows of q only. Re-laid
 (``relayout``), its rows are permuted *device-major*: device ``d``'s contiguous shard holds its slice
 of every block (``[q_d | k_d | v_d]``). The shape is unchanged, so the layout validates like any
-other; ``state_dict()``/``load_state_dict()`` see the original order (hooks on the owning module).
+other; ``state_dict()``/``load_state_dict()`` see the original order (hooks on the owning module,
+whose handles ``relayout`` returns; ``unrelayout`` puts the original order back).
 During the forward, xla_tp's lowering mode tags the projection's output (``tag``) and hands the
 model's own slicing (``qkv[..., :E]``, ``split``, ``chunk``) the block it asked for, read from the
 device-major layout without moving data (``block``); any other use gets the original order back
@@ -11,54 +12,25 @@ device-major layout without moving data (``block``); any other use gets the orig
 
 >>> lin = nn.Linear(1, 12, bias=False)
 >>> original = lin.weight.detach().clone()
->>> relayout(lin, "weight", Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2))
+>>> handles = relayout(lin, "weight", Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2))
 >>> lin.weight[:, 0].tolist() == original[[0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11], 0].tolist()  # [q0 k0 v0 | q1 k1 v1]
 True
 >>> torch.equal(lin.state_dict()["weight"], original)
 True
+>>> unrelayout(lin, "weight", handles); torch.equal(lin.weight, original)
+True
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-ATTR = "_xla_tp_packing"  # on a re-laid parameter: its Packing (what the lowering mode reads)
-_OWNED = "_xla_tp_packings"  # on the owning module: parameter name -> Packing (what its state-dict hooks
-# read, so a tensor swapped in for the parameter, an optimizer state, is re-laid the same way)
+from ..plan.packing import Packing
+from ..state import ensure_param_state, param_state
+
 _TAG = "_xla_tp_packed_output"  # on a re-laid projection's output during a forward: its Packing
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Blocks ``(start, size)`` along weight dim ``dim``, laid out device-major for ``tp`` devices."""
-
-    dim: int
-    blocks: tuple[tuple[int, int], ...]
-    tp: int
-
-    @property
-    def size(self) -> int:
-        return sum(n for _, n in self.blocks)
-
-    def order(self) -> torch.Tensor:
-        """Original index of each re-laid position.
-
-        >>> Packing(0, ((0, 4), (4, 4)), 2).order().tolist()
-        [0, 1, 4, 5, 2, 3, 6, 7]
-        """
-        idx = [start + d * (n // self.tp) + j for d in range(self.tp) for start, n in self.blocks
-               for j in range(n // self.tp)]
-        return torch.tensor(idx, dtype=torch.long)
-
-    def inverse(self) -> torch.Tensor:
-        order = self.order()
-        return torch.empty_like(order).scatter_(0, order, torch.arange(len(order)))
-
-    def for_bias(self) -> "Packing":
-        return Packing(0, self.blocks, self.tp)
 
 
 def permute(t: torch.Tensor, packing: Packing) -> torch.Tensor:
@@ -69,38 +41,52 @@ def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
     return t.index_select(packing.dim, packing.inverse().to(t.device))
 
 
-def relayout(owner: nn.Module, name: str, packing: Packing) -> None:
-    """Permute ``owner.<name>`` device-major in place (same Parameter object); idempotent."""
+def relayout(owner: nn.Module, name: str, packing: Packing) -> list[Any]:
+    """Permute ``owner.<name>`` (in its original order) device-major in place, same Parameter object;
+    the handles of the state-dict hooks that show and take the original order."""
     p = owner._parameters[name]
-    owned: dict[str, Packing] = owner.__dict__.get(_OWNED, {})
-    old = owned.get(name)
-    if old == packing:
-        return
+    ps = ensure_param_state(p)
+    if ps.packing is not None:
+        raise ValueError(f"{name!r} is re-laid already; unrelayout it first")
     with torch.no_grad():
-        data = p.data if old is None else restore(p.data, old)
-        p.data = data if p.is_meta else permute(data, packing)
-    setattr(p, ATTR, packing)
-    if not owned:
-        owner.register_state_dict_post_hook(_save_original)
-        owner.register_load_state_dict_pre_hook(_load_relaid)
-    owner.__dict__[_OWNED] = {**owned, name: packing}
+        p.data = p.data if p.is_meta else permute(p.data, packing)
+    ps.packing = packing
+    return [owner.register_state_dict_post_hook(_save_original(name, packing)),
+            owner.register_load_state_dict_pre_hook(_load_relaid(name, packing))]
 
 
-def _save_original(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+def unrelayout(owner: nn.Module, name: str, handles: list[Any]) -> None:
+    """Put ``owner.<name>`` back in its original order and remove its state-dict hooks."""
+    p = owner._parameters[name]
+    ps = param_state(p)
+    if ps is not None and ps.packing is not None:
+        with torch.no_grad():
+            p.data = p.data if p.is_meta else restore(p.data, ps.packing)
+        ps.packing = None
+    for handle in handles:
+        handle.remove()
+
+
+def _save_original(name: str, packing: Packing) -> Any:
+    def hook(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         if prefix + name in state_dict:
             state_dict[prefix + name] = restore(state_dict[prefix + name], packing)
+    return hook
 
 
-def _load_relaid(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+def _load_relaid(name: str, packing: Packing) -> Any:
+    """The pre-hook that re-lays a loaded tensor of the parameter's shape (a state dict, or an
+    optimizer state swapped in for the parameter: ``checkpoint.layout.swapped``)."""
+    def hook(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         key, p = prefix + name, owner._parameters.get(name)
         if key in state_dict and p is not None and state_dict[key].shape == p.shape:
             state_dict[key] = permute(state_dict[key], packing)
+    return hook
 
 
 def packing_of(t: Any) -> Optional[Packing]:
-    return getattr(t, ATTR, None) if isinstance(t, torch.Tensor) else None
+    """The packing ``t`` (a parameter, or a tensor given its ``ParamState``) was re-laid with, else None."""
+    return getattr(param_state(t), "packing", None)
 
 
 def tag(y: torch.Tensor, packing: Packing) -> torch.Tensor:

@@ -4,7 +4,7 @@ One forward is traced on fake tensors (``xla_tp.dataflow``); each weight's role 
 its tensors do (``roles``): column-parallel when its output features feed attention or an
 element-wise chain into another projection, row-parallel when it contracts them back, vocab-parallel
 for embeddings looked up with the input ids and output heads. Logical axes go to mesh axes through
-one table (``logical.LOGICAL_AXES``). Nothing is decided by module names. Example:
+one table (``xla_tp.axes.LOGICAL_AXES``). Nothing is decided by module names. Example:
 
 >>> import xla_tp
 >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -22,9 +22,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch import nn
 
+from ..axes import canonical_axis, sizes_of
 from ..dataflow.trace import trace
 from ..errors import PlanError
-from ..mesh import canonical_axis, to_xs_mesh
 from .plan import Plan, build_plan
 from .roles import decide
 
@@ -32,13 +32,9 @@ __all__ = ["Plan", "plan_for"]
 
 
 def axis_size(mesh: Any, tp_axis: str) -> int:
-    """Size of ``tp_axis`` in ``mesh``: any mesh ``parallelize_xla`` accepts, or axis sizes
+    """Size of ``tp_axis`` in ``mesh``: a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes
     (``{"data": 2, "model": 4}``, which need no XLA runtime)."""
-    if isinstance(mesh, Mapping):
-        sizes = {canonical_axis(str(k)): int(v) for k, v in mesh.items()}
-    else:
-        xmesh = to_xs_mesh(mesh)
-        sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    sizes = sizes_of(mesh)
     axis = canonical_axis(tp_axis)
     if axis not in sizes:
         raise PlanError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: {list(sizes)})")
@@ -50,7 +46,8 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_kwargs: Optional[Mapping[str, Any]] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
-    ``mesh`` is any mesh ``parallelize_xla`` accepts, or axis sizes such as ``{"model": 4}``. Without
+    ``mesh`` is a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes such as ``{"model": 4}`` (``xla_tp.plan_for``
+    also takes None: the global mesh of ``make_mesh``). Without
     ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
     floats of its first layer's width otherwise). Attention that cannot be split is a ``PlanError``;
     a weight whose role cannot be determined stays replicated, its reason in ``plan.replicated``.
@@ -62,6 +59,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     graph = trace(model, example_inputs, example_kwargs)
     roles = decide(graph, tp)
     plan = build_plan(model, graph, roles)
+    plan.mesh_sizes = sizes_of(mesh)
     if not plan:
         raise PlanError(f"plan 'auto' found nothing to split in {type(model).__name__}: "
                         f"{_first_reasons(plan)}; pass a plan dict instead")

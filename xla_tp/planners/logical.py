@@ -1,9 +1,9 @@
-"""Logical axes -> mesh axes: the one table every "auto" plan goes through, and its style.
+"""``LogicalStyle``: the style of every "auto" plan, its parameters' dimensions named by logical axis.
 
-A planner says what each parameter dimension *is* (``vocab``, ``heads``, ``mlp``, ``embed``);
-``LOGICAL_AXES`` says which mesh axis each of those is split over, in the spirit of MaxText's logical
-axis rules. ``embed`` stays whole here: on an ``fsdp`` mesh axis the layout shards each parameter's
-first free dimension over ``fsdp`` afterwards (``plan.normalize``). Example:
+A planner says what each parameter dimension *is* (``vocab``, ``heads``, ``mlp``, ``embed``); the
+table ``xla_tp.axes.LOGICAL_AXES`` says which mesh axes each of those is split over. ``embed`` stays
+whole on the model axis: on an ``fsdp`` mesh axis the layout shards each parameter's first free
+dimension over ``fsdp`` afterwards (``param_shard`` in the table, ``plan.normalize``). Example:
 
 >>> style = LogicalStyle({"weight": ("heads", "embed")}, role="column-parallel")
 >>> style.lower("layers.0.wq", nn.Linear(64, 64), "layers.*.wq", "model").params
@@ -17,27 +17,15 @@ from typing import Mapping, Optional
 from torch import nn
 from torch.distributed.tensor.placement_types import Placement
 
+from ..axes import TP, mesh_axes, spec_entry
 from ..plan.layout import Chain, ModuleLayout
 from ..plan.styles import ShardParams, Style
 
-TP = "tp"  # stands for the tensor-parallel axis of the mesh the plan is applied on
-LOGICAL_AXES: tuple[tuple[str, Optional[str]], ...] = (
-    ("vocab", TP),
-    ("heads", TP),
-    ("kv_heads", TP),
-    ("mlp", TP),
-    ("embed", None),
-)
-_TABLE = dict(LOGICAL_AXES)
 
-
-def mesh_axis(logical: Optional[str]) -> Optional[str]:
-    """``mesh_axis("heads") == "tp"``; ``mesh_axis("embed") is None``; unknown names are an error."""
-    if logical is None:
-        return None
-    if logical not in _TABLE:
-        raise KeyError(f"logical axis {logical!r} is not in LOGICAL_AXES ({', '.join(_TABLE)})")
-    return _TABLE[logical]
+def mesh_axis(logical: Optional[str]) -> object:
+    """The spec entry of a parameter dimension: ``mesh_axis("heads") == "tp"`` (the tensor-parallel
+    axis, whatever its name); ``mesh_axis("embed") is None``; unknown names are an error."""
+    return spec_entry(mesh_axes(logical, tp_axis=TP))
 
 
 @dataclass(frozen=True)

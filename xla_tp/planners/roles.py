@@ -20,7 +20,7 @@ Module names are never read: they only label explanations. Example:
 >>> from torch import nn
 >>> from xla_tp.dataflow.trace import trace
 >>> roles = decide(trace(nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))), tp=4)
->>> {name: (role.kind, role.axes) for name, role in roles.params.items()}
+>>> {name: (role.kind.value, role.axes) for name, role in roles.params.items()}
 ... # doctest: +NORMALIZE_WHITESPACE
 {'1.weight': ('column', ('mlp', 'embed')), '1.bias': ('column', ('mlp',)), '3.weight': ('row', ('embed', 'mlp')),
  '3.bias': ('replicated', (None,)), '0.weight': ('vocab', ('vocab', 'embed'))}
@@ -28,25 +28,45 @@ Module names are never read: they only label explanations. Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.regions import Projection, Region, describe, explore, is_attention, projections
 from ..errors import PlanError
-from ..lowering.packed import Packing
+from ..plan.packing import Packing
 
 Axes = tuple[Optional[str], ...]
 
 
+class Role(str, Enum):
+    """What a parameter does in the dataflow, hence how it is split (a ``str``: ``Role.ROW == "row"``)."""
+
+    COLUMN = "column"  # its output features are split: they feed attention heads or an MLP's chain
+    ROW = "row"  # it contracts split features back into the residual stream: one all-reduce
+    VOCAB = "vocab"  # an embedding looked up with the input ids: rows split
+    HEAD = "head"  # an output head: vocab rows split, logits stay split
+    REPLICATED = "replicated"
+
+    @property
+    def text(self) -> str:
+        """``Role.HEAD.text == "vocab-parallel output head"``."""
+        return {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel embedding",
+                "head": "vocab-parallel output head", "replicated": "replicated"}[self.value]
+
+
 @dataclass
 class ParamRole:
-    """One parameter's decision: ``kind`` (column, row, vocab, head, replicated) and logical axes."""
+    """One parameter's decision: its ``Role`` and logical axes, and why."""
 
-    kind: str
+    kind: Role
     axes: Axes
     why: str
     natural: str = ""  # "shard" (column/head) or "partial" (row/vocab embedding): the module's own output
     packing: Optional[Packing] = None
+
+    def __post_init__(self) -> None:
+        self.kind = Role(self.kind)
 
 
 @dataclass
@@ -354,4 +374,4 @@ def _feeders(node: Node, by_output: dict[int, Region]) -> list[Region]:
     return found
 
 
-__all__ = ["Packing", "ParamRole", "Roles", "decide"]
+__all__ = ["Packing", "ParamRole", "Role", "Roles", "decide"]
