@@ -23,8 +23,10 @@ setup(
         # TPU VMs and Colab TPU runtimes: torch_xla's TPU build and its libtpu (same pin as above)
         "tpu": ["torch_xla[tpu]==2.9.0", "transformers==5.23.0"],
         # matplotlib: the bench chart; nbclient/nbformat/ipykernel: the notebook test
-        "test": ["pytest", "transformers==5.23.0", "matplotlib", "jax==0.7.1", "jaxlib==0.7.1", "torchax==0.0.13",
-                 "torchao==0.14.1", "nbclient==0.11.0", "nbformat==5.11.1", "ipykernel==7.4.0"],
+        # pytest-xdist: the suite runs on two workers; ruff: the linter the test command runs first
+        "test": ["pytest", "pytest-xdist==3.8.0", "ruff==0.17.6", "transformers==5.23.0", "matplotlib", "jax==0.7.1",
+                 "jaxlib==0.7.1", "torchax==0.0.13", "torchao==0.14.1", "nbclient==0.11.0", "nbformat==5.11.1",
+                 "ipykernel==7.4.0"],
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )

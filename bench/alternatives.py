@@ -43,7 +43,7 @@ def alternatives(layers: int = 2, tokens: int = 256) -> dict:
 
     import xla_tp
     from xla_tp.audit.run import audit_here, unsharded_dot_flops
-    from xla_tp.planners import plan_for
+    from xla_tp import plan_for
 
     mesh = xla_tp.make_mesh(model=8)
     plan = plan_for(_model(layers), mesh=mesh)

@@ -65,9 +65,9 @@ def _measure(family: str, width: str, sizes: dict[str, int], dump: Path) -> dict
     import torch_xla.runtime as xr
     xr.use_spmd(auto=True)  # before any tensor reaches the device
 
-    from xla_tp.audit.hlo import dot_flops, parse_collectives
-    from xla_tp.audit.params import param_bytes
-    from xla_tp.audit.report import AuditReport
+    from xla_tp.auditing.hlo import dot_flops, parse_collectives
+    from xla_tp.auditing.params import param_bytes
+    from xla_tp.auditing.report import AuditReport
     from xla_tp.zoo import registry
 
     from .models import build

@@ -17,8 +17,8 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 
 import xla_tp
-from xla_tp.audit.run import audit_here, unsharded_dot_flops
-from xla_tp.plan.applied import layout_of
+from xla_tp.auditing.run import audit_here, unsharded_dot_flops
+from xla_tp import layout_of
 from xla_tp.plan.hf import hf_plan
 from xla_tp.zoo import registry
 

@@ -23,7 +23,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 import xla_tp
 from xla_tp import ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel
 
-from .plans import hand_apply, plan_layout
+from .plans import hand_apply
 from .timing import WARMUP, stats, trace_once
 
 TRACES = 11

@@ -26,7 +26,7 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 py="$venv/bin/python"
 case "$job" in
   demo)  exec "$py" -m xla_tp.cli launch --check "$@" ;;
-  test)  exec "$py" -m pytest -q tests "$@" ;;
+  test)  "$venv/bin/ruff" check --quiet xla_tp tests bench && exec "$py" -m pytest -q tests "$@" ;;
   bench) exec "$py" -m bench "$@" ;;
   *) echo "unknown job '$job': use demo, test or bench" >&2; exit 2 ;;
 esac

@@ -7,8 +7,12 @@ import torch
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from xla_tp.audit.capture import capture_partitioned_hlo
-from xla_tp.audit.hlo import collective_summary, parse_collectives
+from xla_tp import compat
+from xla_tp.auditing.capture import capture_partitioned_hlo
+from xla_tp.auditing.hlo import collective_summary, parse_collectives
+from xla_tp.lowering import scope
+from xla_tp.plan.layout import Layout
+from xla_tp.state import ModelState, register
 
 
 def collective_counts(tensors) -> dict[str, int]:
@@ -83,3 +87,14 @@ def assert_unchanged(model: torch.nn.Module, snap) -> None:
     assert [(n, i, d) for n, i, d, _ in now[0]] == [(n, i, d) for n, i, d, _ in snap[0]]
     assert all(torch.equal(a[3], b[3]) for a, b in zip(now[0], snap[0]))
     assert now[1:] == snap[1:]
+
+
+def lowered_forward(module: torch.nn.Module, mesh: xs.Mesh, tp: int) -> ModelState:
+    """Make ``module``'s forward a parallelized one (the lowering acts in it and its backward), with
+    nothing planned: for tests of one lowering piece at a time."""
+    state = ModelState(Layout(tp_axis="model", batch_axes=()), mesh, tp)
+    state.lease = compat.lease()
+    register(module, state, state.lease.release)
+    scope.install_root(module, state, None)
+    scope.install_exit(module, state)
+    return state

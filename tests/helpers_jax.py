@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 import xla_tp
-from xla_tp.audit.params import tiles_of
+from xla_tp.auditing.params import tiles_of
 from xla_tp.backends.jax.runtime import ensure_cpu_devices
 
 from .helpers import sharding

@@ -19,7 +19,7 @@ import transformers
 from torch import nn
 
 import xla_tp
-from xla_tp.planners import plan_for
+from xla_tp import plan_for
 
 from .helpers import max_err
 

@@ -6,17 +6,15 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch.distributed.device_mesh import DeviceMesh
 
 import xla_tp
-from xla_tp import lowering
-from xla_tp.audit.capture import capture_partitioned_hlo
-from xla_tp.audit.hlo import parse_collectives
-from xla_tp.audit.run import unsharded_dot_flops
-from xla_tp.constraints import annotated_copy
+from xla_tp.auditing.capture import capture_partitioned_hlo
+from xla_tp.auditing.hlo import parse_collectives
+from xla_tp.auditing.run import unsharded_dot_flops
+from xla_tp.backends.annotate import XlaSharder
 from xla_tp.lowering.embedding import install_embedding
 from xla_tp.lowering.groups import install_group
 from xla_tp.lowering.tied import install_tie
@@ -24,7 +22,7 @@ from xla_tp.zoo import registry
 from xla_tp.zoo.cuda_llama import CudaLlama, sp_plan_calls
 from xla_tp.zoo.llama import LlamaArgs
 
-from .helpers import max_err
+from .helpers import lowered_forward, max_err
 
 LAYERS = registry.LAYERS
 # Megatron, forward: the vocabulary-parallel embedding and two row-parallel outputs per layer; backward:
@@ -107,6 +105,15 @@ def mesh():
     return xla_tp.make_mesh(data=2, model=4)
 
 
+class _SquaredSum(torch.nn.Module):
+    def __init__(self, layers: torch.nn.ModuleList):
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x):
+        return sum((lin(x) ** 2).sum() for lin in self.layers)
+
+
 def test_a_column_group_reduces_its_input_gradient_once(mesh):
     """q, k and v of different widths (GQA) reading one x: one all-reduce of x's gradient, not three;
     values and gradients as on the CPU."""
@@ -120,11 +127,13 @@ def test_a_column_group_reduces_its_input_gradient_once(mesh):
             xs.mark_sharding(lin.weight, mesh, ("model", None))
             if lin.bias is not None:
                 xs.mark_sharding(lin.bias, mesh, ("model",))
+        model = _SquaredSum(layers)
         if grouped:
+            lowered_forward(model, mesh, tp=4)  # the group acts inside a parallelized forward
             install_group(list(layers), tp=4)
         x = x_ref.detach().to(torch_xla.device()).requires_grad_()
         xs.mark_sharding(x, mesh, ("data", None, None))
-        loss = sum((lin(x) ** 2).sum() for lin in layers)
+        loss = model(x)
         got = torch.autograd.grad(loss, [x, *layers.parameters()])
         results[grouped] = [c for c in _collectives(got[:1]) if c.kind == "all-reduce"]
         if grouped:
@@ -144,8 +153,8 @@ def test_a_vocabulary_parallel_embedding_reduces_one_devices_rows_over_the_data_
     dy = torch.randn(4, 16, 64)
     emb = copy.deepcopy(ref).to(torch_xla.device())
     xs.mark_sharding(emb.weight, mesh, ("model", None))
-    lowering.install(emb, set(), tp=4, groups=False)  # a parallelized forward: F.embedding is lowered in it
-    install_embedding(emb, tp=4, mesh=mesh, spec=("model", None))
+    lowered_forward(emb, mesh, tp=4)  # a parallelized forward: F.embedding is lowered in it
+    install_embedding(emb, tp=4, sharder=XlaSharder(mesh), spec=("model", None))
     xids, xdy = ids.to(torch_xla.device()), dy.to(torch_xla.device())
     xs.mark_sharding(xids, mesh, ("data", None))
     xs.mark_sharding(xdy, mesh, ("data", None, None))
@@ -177,15 +186,15 @@ def test_a_tied_table_reads_one_stack_and_reduces_its_gradient_once(mesh, tied):
     model = copy.deepcopy(ref).to(torch_xla.device())
     model.head.weight = model.emb.weight  # moving a module to the XLA device unties it
     xs.mark_sharding(model.emb.weight, mesh, ("model", None))
-    lowering.install(model, set(), tp=4, groups=False)  # its forward is a parallelized one
-    install_embedding(model.emb, tp=4, mesh=mesh, spec=("model", None))
+    lowered_forward(model, mesh, tp=4)  # its forward is a parallelized one
+    install_embedding(model.emb, tp=4, sharder=XlaSharder(mesh), spec=("model", None))
     if tied:
-        install_tie(model.emb, [model.head], axes="data", replicas=2)
+        install_tie(model.emb, axes="data", replicas=2)
     xids, xtarget = ids.to(torch_xla.device()), target.to(torch_xla.device())
     xs.mark_sharding(xids, mesh, ("data", None))
     xs.mark_sharding(xtarget, mesh, ("data", None, "model"))
     (grad,) = torch.autograd.grad((model(xids) * xtarget).sum(), [model.emb.weight])
-    laid_out = annotated_copy(grad, mesh, ("model", None))  # as a parameter's gradient is
+    laid_out = XlaSharder(mesh).annotate(grad, ("model", None))  # as a parameter's gradient is
     over_data = [(c.kind, math.prod(c.shape)) for c in _collectives([laid_out]) if len(c.replica_groups[0]) == 2]
     assert over_data == [("all-reduce", 32 * 64)] * (1 if tied else 2), over_data
     (want,) = torch.autograd.grad((ref(ids) * target).sum(), [ref.emb.weight])

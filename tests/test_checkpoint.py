@@ -13,7 +13,7 @@ import torch_xla
 import xla_tp
 from xla_tp.checkpoint import save as save_module
 from xla_tp.checkpoint.store import CheckpointRoot
-from xla_tp.guard import SHARDING_ATTR
+from xla_tp.guard import record_of
 from xla_tp.lowering.packed import packing_of, restore
 from xla_tp.zoo.registry import build, example_input, run
 
@@ -62,7 +62,7 @@ def _assert_sharded_as_planned(model, opt):
     """Every parameter has the sharding its plan gave it on this mesh; every state shaped like its
     parameter has the parameter's sharding."""
     for n, p in model.named_parameters():
-        rec = getattr(p, SHARDING_ATTR, None)
+        rec = record_of(p)
         if rec is not None:
             assert sharding(p) == rec.expected, n
         for k, v in opt.state[p].items():

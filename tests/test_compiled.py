@@ -5,8 +5,8 @@ import torch.nn.functional as F
 
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.audit.capture import capture_partitioned_hlo
-from xla_tp.audit.hlo import parse_collectives
+from xla_tp.auditing.capture import capture_partitioned_hlo
+from xla_tp.auditing.hlo import parse_collectives
 from xla_tp.zoo.llama import Llama, LlamaArgs, megatron_tp_plan, torchtitan_tp_plan
 
 from .helpers import MLP, collective_counts, expected_sharding, sharding

@@ -1,13 +1,12 @@
 """``xla_tp.init_device_mesh``: torch's signature, torch's slicing, on an XLA SPMD mesh."""
 import pytest
-import torch
 import torch_xla.distributed.spmd as xs
 from torch.distributed.device_mesh import DeviceMesh
 
 import xla_tp
 from xla_tp import ColwiseParallel, MeshError, PlanError
 from xla_tp.mesh import to_xs_mesh
-from xla_tp.plan.applied import layout_of
+from xla_tp import layout_of
 
 from .helpers import MLP, expected_sharding, sharding
 from .fresh import run_fresh

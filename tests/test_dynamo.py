@@ -15,6 +15,7 @@ import torch, torch_xla, transformers
 import torch_xla.debug.metrics as met
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
+from xla_tp.state import state_of
 from xla_tp.zoo import registry
 
 mesh = xla_tp.make_mesh(data=2, model=4)
@@ -53,7 +54,7 @@ def run(plan, route, base):
         torch_xla.sync()
         losses.append(loss.item())
         compiles.append(met.counter_value("UncachedCompile") or 0)
-    grouped = any(hasattr(m, "_xla_tp_group") for m in model.modules())
+    grouped = bool(state_of(model).groups)
     params = {n: p.detach().cpu() for n, p in model.named_parameters()}
     return losses, compiles, grouped, params
 

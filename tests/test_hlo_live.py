@@ -15,8 +15,8 @@ import torch_xla  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
 import torch_xla.runtime as xr  # noqa: E402
 
-from xla_tp.audit.capture import capture_partitioned_hlo  # noqa: E402
-from xla_tp.audit.hlo import collective_summary, dot_flops, mesh_axes_of_groups, parse_collectives  # noqa: E402
+from xla_tp.auditing.capture import capture_partitioned_hlo  # noqa: E402
+from xla_tp.auditing.hlo import collective_summary, dot_flops, mesh_axes_of_groups, parse_collectives  # noqa: E402
 
 from .fresh import user_env  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_capture_refuses_materialised_tensors():
 
 CAPTURE_SCRIPT = """
 import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
-from xla_tp.audit.capture import capture_partitioned_hlo
+from xla_tp.auditing.capture import capture_partitioned_hlo
 if {spmd}:
     xr.use_spmd()
 a = torch.randn(16, 8).to(torch_xla.device())
@@ -98,6 +98,6 @@ def test_capture_with_and_without_post_optimization_flag(post_optimizations, spm
 
 
 def test_a_program_jaxlib_cannot_compile_names_the_way_out():
-    from xla_tp.audit.capture import partition_with_jaxlib
+    from xla_tp.auditing.capture import partition_with_jaxlib
     with pytest.raises(RuntimeError, match="(?s)could not compile.*XLA_DUMP_POST_OPTIMIZATIONS=1"):
         partition_with_jaxlib("HloModule broken\n\nENTRY %e { ROOT %x = f32[] nonsense() }", 8)

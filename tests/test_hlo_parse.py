@@ -1,4 +1,4 @@
-"""Tests of the compiled-HLO reader (xla_tp.audit.hlo) on real and hand-written HLO text.
+"""Tests of the compiled-HLO reader (xla_tp.auditing.hlo) on real and hand-written HLO text.
 
 The fixtures in tests/data/hlo/ are real per-device HLO from torch_xla 2.9 on CPU
 (PJRT_DEVICE=CPU CPU_NUM_DEVICES=8 XLA_DUMP_POST_OPTIMIZATIONS=1, use_spmd(), one warm-up
@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from xla_tp.audit import hlo
-from xla_tp.audit.hlo import (Collective, collective_summary, dot_flops, mesh_axes_of_groups,
+from xla_tp.auditing import hlo
+from xla_tp.auditing.hlo import (Collective, collective_summary, dot_flops, mesh_axes_of_groups,
                               parse_collectives)
 
 DATA = Path(__file__).parent / "data" / "hlo"

@@ -4,7 +4,7 @@ import torch
 
 import xla_tp
 from xla_tp import ColwiseParallel, Replicate, RowwiseParallel
-from xla_tp.audit.hlo import parse_collectives
+from xla_tp.auditing.hlo import parse_collectives
 from xla_tp.zoo import registry
 from xla_tp.zoo.llama import Llama, LlamaArgs, megatron_tp_plan
 
@@ -57,8 +57,7 @@ def test_without_the_lowering_torchax_gathers_the_heads():
     plan = dict(xla_tp.plan_for(model, mesh={"data": 2, "model": 4}))
     jm = xla_tp.parallelize_jax(model, plan, mesh={"data": 2, "model": 4})
     assert jm.audit(registry.example_input("llama")).count("all-gather") == 0
-    for module in model.modules():
-        xla_tp.lowering.uninstall(module)
+    xla_tp.unparallelize(model)
     report = jm.audit(registry.example_input("llama"))
     assert report.count("all-gather") == 3 * model.config.num_hidden_layers  # q, k and v of every layer
     assert report.compute_balance > 1.05

@@ -7,13 +7,12 @@ import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import xla_tp
 from xla_tp.lowering.packed import packing_of, restore
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.audit.capture import capture_partitioned_hlo
-from xla_tp.audit.hlo import parse_collectives
+from xla_tp.auditing.capture import capture_partitioned_hlo
+from xla_tp.auditing.hlo import parse_collectives
 from xla_tp.backends.jax.runtime import to_torch
 from xla_tp.zoo import registry
 from xla_tp.zoo.llama import Llama, LlamaArgs, torchtitan_tp_plan

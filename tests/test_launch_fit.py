@@ -13,7 +13,6 @@ from xla_tp.launch.fit import FitSettings, estimate, suggest
 from xla_tp.launch.model import build_model, hf_config, model_shape
 from xla_tp.launch.plans import plan_input, plan_specs
 from xla_tp.launch.session import estimator
-from xla_tp.launch.train import Loop, flops_per_token, lr_factor
 
 from .fresh import user_env
 

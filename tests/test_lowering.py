@@ -11,7 +11,7 @@ from torch import nn
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
 from xla_tp.lowering import attention
-from xla_tp.lowering.patches import clamp_slices
+from xla_tp.lowering.entry import clamp_slices
 
 from .helpers import collective_counts, max_err
 

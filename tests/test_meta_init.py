@@ -11,7 +11,7 @@ import torch_xla.distributed.spmd as xs
 import transformers
 
 import xla_tp
-from xla_tp.plan.applied import layout_of
+from xla_tp import layout_of
 from xla_tp.zoo.registry import build, example_input, run
 
 from .helpers import expected_sharding, sharding
@@ -87,7 +87,7 @@ def test_device_init_program_computes_each_devices_shard_only():
     """The replayed init (normal_, then a padding row zeroed) compiles to per-device shapes only: no
     collective, no buffer of the whole tensor (torch_xla's own normal_ draws the whole tensor's bits
     on every device)."""
-    from xla_tp.audit.capture import capture_partitioned_hlo
+    from xla_tp.auditing.capture import capture_partitioned_hlo
     from xla_tp.backends import init
     with torch.device("meta"):
         emb = torch.nn.Embedding(512, 96, padding_idx=5)

@@ -5,8 +5,8 @@ import torch_xla
 
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.audit import audit
-from xla_tp.plan.applied import layout_of
+from xla_tp.auditing import audit
+from xla_tp import layout_of
 
 from .helpers import MLP, expected_sharding, sharding
 from .titan import report_dict, settled, titan

@@ -9,7 +9,7 @@ from torch import nn
 
 import xla_tp
 from xla_tp import PlanError
-from xla_tp.planners import plan_for
+from xla_tp import plan_for
 from xla_tp.zoo.registry import build
 
 from .helpers import assert_unchanged, max_err, snapshot
@@ -29,7 +29,7 @@ def renamed(model: nn.Module) -> nn.Module:
         names = [n for n in mod._modules if not n.isdigit()]  # list indices stay: containers index by them
         mod._modules = type(mod._modules)((n if n.isdigit() else f"m_{n}_", m) for n, m in mod._modules.items())
         props = {n: property(lambda self, n=n: self._modules[f"m_{n}_"]) for n in names}
-        mod.__class__ = types.new_class(f"Renamed{type(mod).__name__}", (type(mod),), exec_body=lambda ns: ns.update(props))
+        mod.__class__ = types.new_class(f"Renamed{type(mod).__name__}", (type(mod),), exec_body=lambda ns, props=props: ns.update(props))
     return model
 
 

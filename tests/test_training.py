@@ -10,7 +10,7 @@ import torchao.optim as torchao_optim  # the [test] extra installs torchao==0.14
 from torch.utils.checkpoint import checkpoint
 
 import xla_tp
-from xla_tp.plan.applied import layout_of
+from xla_tp import layout_of
 from xla_tp.zoo.registry import VOCAB, build, run
 
 from .helpers import MLP, expected_sharding, grads, max_err, sharding

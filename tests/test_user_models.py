@@ -12,8 +12,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.audit.capture import capture_partitioned_hlo
-from xla_tp.audit.hlo import collective_summary, parse_collectives
+from xla_tp.auditing.capture import capture_partitioned_hlo
+from xla_tp.auditing.hlo import collective_summary, parse_collectives
 from xla_tp.zoo.cuda_llama import CudaLlama, sp_plan_calls
 from xla_tp.zoo.llama import LlamaArgs
 

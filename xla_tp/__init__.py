@@ -12,9 +12,9 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from .api import parallelize_module, parallelize_xla
-from .audit import AuditReport
-from .audit.run import audit  # the function shadows the subpackage name on purpose: xla_tp.audit(...)
+from .api import parallelize_module, parallelize_xla, plan_for, unparallelize
+from .auditing import AuditReport
+from .auditing.run import audit
 from .backends.jax import parallelize_jax
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import CheckpointError, MeshError, OptimizerError, PlanError
@@ -24,13 +24,14 @@ from .plan.hf import hf_plan
 from .plan.rules import load_rules, regex_plan
 from .plan.styles import ShardParams
 from .plan.unplanned import unplanned_parameters
-from .planners import Plan, plan_for
+from .planners import Plan
+from .state import layout_of, state_of
 
 __all__ = [
     "AuditReport", "ColwiseParallel", "MeshError", "Plan", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
     "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "ShardParams",
-    "audit", "hf_plan", "init_device_mesh", "load_rules", "loss_parallel", "make_mesh", "parallelize_jax",
-    "parallelize_module", "parallelize_xla",
-    "plan_for", "regex_plan", "unplanned_parameters",
+    "audit", "hf_plan", "init_device_mesh", "layout_of", "load_rules", "loss_parallel", "make_mesh",
+    "parallelize_jax", "parallelize_module", "parallelize_xla", "plan_for", "regex_plan", "state_of", "unparallelize",
+    "unplanned_parameters",
 ]
 __all__ += ["CheckpointError", "OptimizerError", "export_hf", "load_checkpoint", "save_checkpoint"]  # training at scale

@@ -1,34 +1,44 @@
-"""``parallelize_xla`` and torch's drop-in ``parallelize_module``.
+"""``parallelize_xla``, torch's drop-in ``parallelize_module``, and ``unparallelize``.
 
-Data flows one way: plan input -> normalised ``Layout`` -> validation -> backend. Nothing is
-touched until the whole plan has been validated, so after a ``PlanError`` the model is exactly
-as it was. Example::
+Data flows one way: plan input -> ``Plan`` -> normalised ``Layout`` -> validation -> backend.
+Nothing is touched until the whole plan has been validated, so after a ``PlanError`` the model is
+exactly as it was. Everything a call changes is kept in the model's ``ModelState`` (``state``) and
+undone by ``unparallelize``. Example::
 
     mesh = xla_tp.make_mesh(model=4)
     model = xla_tp.parallelize_xla(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, mesh=mesh)
+    model = xla_tp.unparallelize(model)      # a plain model on the device again
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+import weakref
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
+import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from . import compat, lowering
 from .backends import get_backend
-from . import dynamo, lowering
+from .backends.annotate import XlaSharder
 from .backends.place import place_module
-from .checkpoint.export import host_save_pretrained
 from .constraints import install_constraints
 from .dataflow.inputs import MadeUpInputError
 from .deferred import plan_at_first_call
 from .errors import PlanError
-from .inference import make_inference_safe
-from .mesh import MeshLike, XlaDeviceMesh, canonical_axis, to_xs_mesh
-from .plan.applied import applied_layout, record_layout, stale_params
+from .guard import record_of
+from .lowering import packed
+from .lowering.padding import padding_problem
+from .axes import canonical_axis, mesh_axes
+from .mesh import MeshLike, XlaDeviceMesh, to_xs_mesh
 from .plan.hf import hf_plan
 from .plan.layout import Layout, Spec
-from .plan.normalize import BATCH_AXES, build_layout
-from .recompute import enable_activation_checkpointing
+from .plan.normalize import build_layout
+from . import planners
+from .planners import Plan
+from .planners.alternatives import Pick
+from .state import (ModelState, all_states, clear_param_state, drop, outermost, register, stale_params, state_of,
+                    states_under)
 from .validate import validate
 
 PlanLike = Union[str, dict, ParallelStyle]
@@ -41,10 +51,11 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
 
     ``plan`` is a dict FQN pattern -> style (torch ``ParallelStyle``, HF style string such as
     ``"colwise"``, ``ShardParams``, rule-list entries), one style for the root, ``"auto"`` (the
-    rule-based planner) or ``"hf"`` (the Hugging Face model's own ``tp_plan``). ``mesh`` is an ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global
-    mesh of ``make_mesh``). ``strict``: for a plan dict, keys that match nothing are errors (default
-    True; False: warnings); for ``"auto"``, only the optimum is accepted (default False: where the
-    optimum is out of reach, the cheapest valid plan, see ``plan_for``). Example::
+    rule-based planner) or ``"hf"`` (the Hugging Face model's own ``tp_plan``). ``mesh`` is an
+    ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global mesh of ``make_mesh``). ``strict``: for a
+    plan dict, keys that match nothing are errors (default True; False: warnings); for ``"auto"``, only
+    the optimum is accepted (default False: where the optimum is out of reach, the cheapest valid plan,
+    see ``plan_for``). A model "auto" cannot make an input up for is planned at its first call. Example::
 
         model = parallelize_xla(model, {"layers.*.wq": ColwiseParallel(),
                                         "layers.*.wo": RowwiseParallel()}, mesh=make_mesh(model=4))
@@ -58,57 +69,141 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     try:
         plan = resolve_plan(module, plan, xmesh, tp_axis, strict=bool(strict))
     except MadeUpInputError as e:  # "auto" on a model that declares no input: planned at its first call
-        from .planners import plan_for
-
         def at_first_call(args: tuple, kwargs: dict) -> None:
-            auto = plan_for(module, xmesh, tp_axis, example_inputs=args, example_kwargs=kwargs, strict=bool(strict))
+            auto = planners.plan_for(module, xmesh, tp_axis, example_inputs=args, example_kwargs=kwargs,
+                                     strict=bool(strict), check=padding_problem)
             parallelize_xla(module, auto, xmesh, tp_axis=tp_axis, backend=backend, strict=strict)
         return plan_at_first_call(module, at_first_call, str(e))
     layout = layout_for(module, plan, axes, tp_axis, strict is not False, check_spec)
-    place_module(module, layout.params, xmesh, shard, stale=stale_params(module, layout))
-    install_constraints(module, layout, xmesh, replacing=applied_layout(module))
-    lowering.install(module, lowering.packed_sites(module, getattr(plan, "slicers", frozenset())), axes[tp_axis])
-    make_inference_safe(module)
-    host_save_pretrained(module)
-    enable_activation_checkpointing()
-    dynamo.enable()
-    record_layout(module, layout)
+    # validated: from here on the model changes, and every change is kept in its state
+    stale = stale_params(module, layout)
+    state = begin(module, plan, layout, xmesh, axes[tp_axis])
+    place_module(module, layout.params, xmesh, shard, stale=stale)
+    params = dict(module.named_parameters())
+    state.records = {name: record_of(params[name]) for name in layout.params}
+    install_constraints(module, state, XlaSharder(xmesh))
+    install_lowering(module, state, plan)
     return module
 
 
-def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str,
-                 strict: bool = False) -> Union[dict, ParallelStyle]:
-    """The plan dict for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for``.
+def begin(module: nn.Module, plan: Plan, layout: Layout, mesh: Any, tp: int, embeddings: bool = True) -> ModelState:
+    """A new state for ``module`` (replacing its previous call's), with its lease on the compatibility
+    effects, the plan's packed projections re-laid, and the lowering's first hook. Both backends start
+    here after validation and finish with ``install_lowering``."""
+    state = ModelState(layout, mesh, tp)
+    state.lease = compat.lease()
+    _forget(module)
+    register(module, state, state.lease.release)
+    relay(module, state, plan.packings)
+    state.sites = lowering.packed_sites(module, plan.slicers)
+    lowering.enter(module, state, embeddings)
+    return state
+
+
+def install_lowering(module: nn.Module, state: ModelState, plan: Plan, embeddings: bool = True) -> None:
+    """The lowering's last hooks on ``module`` (after every other), and what it found: now (the plan's
+    trace, or one on a synthesised input) when ``module`` is the outermost parallelized module; else its
+    model finds it again at its next forward (torch's idiom parallelizes the root, then each block)."""
+    root = outermost(module)
+    lowering.install(module, state, plan.graph, embeddings, find_now=root is module)
+    if root is not module:
+        state_of(root).pending = True
+
+
+def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
+             example_inputs: Optional[Sequence[Any]] = None,
+             example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
+             pick: Optional[Pick] = None) -> Plan:
+    """The plan ``parallelize_xla(model, "auto")`` would apply (``xla_tp.planners.plan_for``); ``mesh``
+    may also be None here: the global mesh of ``make_mesh``, else a 1-D ``model`` mesh over all devices.
+    Example: ``xla_tp.plan_for(model, mesh={"data": 2, "model": 4})["lm_head"].role``."""
+    return planners.plan_for(model, to_xs_mesh(None) if mesh is None else mesh, tp_axis,
+                             example_inputs=example_inputs, example_kwargs=example_kwargs, strict=strict, pick=pick,
+                             check=padding_problem)
+
+
+def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, strict: bool = False) -> Plan:
+    """The ``Plan`` for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for``.
 
     ``mesh`` is anything ``plan_for`` takes (an ``xs.Mesh``, axis sizes). Example:
     ``resolve_plan(model, "auto", {"data": 2, "model": 4}, "model")["lm_head"].role == "vocab-parallel output head"``.
     """
     if plan == "hf":
-        return hf_plan(module)
+        return Plan.of(hf_plan(module))
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
-        from .planners import plan_for
-        return plan_for(module, mesh=mesh, tp_axis=tp_axis, strict=strict)
-    return plan
+        return planners.plan_for(module, mesh=mesh, tp_axis=tp_axis, strict=strict, check=padding_problem)
+    if isinstance(plan, ParallelStyle):
+        return Plan.of({"": plan})
+    if not isinstance(plan, dict):
+        raise PlanError(f"plan must be a dict of FQN pattern -> style (or one style), got {type(plan).__name__}")
+    return Plan.of(plan)
 
 
-def layout_for(module: nn.Module, plan: Union[dict, ParallelStyle], axes: dict[str, int], tp_axis: str,
+def layout_for(module: nn.Module, plan: Plan, axes: dict[str, int], tp_axis: str,
                strict: bool, check_spec: Callable[[Spec], Optional[str]]) -> Layout:
-    """Normalise and validate ``plan``, then let the plan prepare the model; the validated ``Layout``.
-
-    Any backend calls this before it places a parameter. A planner's Plan may re-lay packed weights
-    device-major (same shapes); that runs only once the plan has validated on the model as it was, so
-    after a ``PlanError`` the model is untouched.
-    Example: ``layout_for(model, plan, {"model": 4}, "model", True, lambda spec: None)``.
+    """Normalise and validate ``plan``: the validated ``Layout``. Any backend calls this before it
+    touches the model. Example: ``layout_for(model, plan, {"model": 4}, "model", True, lambda spec: None)``.
     """
     layout = build_layout(module, plan, axes, tp_axis, strict)
     validate(module, layout, axes, check_spec)
-    # Nothing has been touched so far. A planner's Plan may re-lay packed weights device-major (same
-    # shapes, so the layout above holds).
-    getattr(plan, "relayout", lambda m: None)(module)
     return layout
+
+
+def relay(module: nn.Module, state: ModelState, packings: dict[str, Any]) -> None:
+    """Re-lay ``packings`` (parameter FQN -> ``Packing``) device-major, after validation (same shapes,
+    so the layout holds); a parameter re-laid by another call is put back first."""
+    for name, packing in packings.items():
+        owner_fqn, _, local = name.rpartition(".")
+        owner = module.get_submodule(owner_fqn)
+        for _, other in all_states():
+            taken = [fqn for fqn, (mod_ref, pname, _, _) in other.relaid.items() if mod_ref() is owner and pname == local]
+            for fqn in taken:
+                _, _, _, handles = other.relaid.pop(fqn)
+                packed.unrelayout(owner, local, handles)
+        state.relaid[name] = (weakref.ref(owner), local, packing, packed.relayout(owner, local, packing))
+
+
+def _forget(module: nn.Module) -> None:
+    """Take the previous call on ``module`` off: its hooks, its re-laid weights, its lease."""
+    state = drop(module)
+    if state is None:
+        return
+    state.remove_hooks()
+    for mod_ref, name, _, handles in state.relaid.values():
+        if mod_ref() is not None:
+            packed.unrelayout(mod_ref(), name, handles)
+
+
+def unparallelize(model: nn.Module, *, keep_sharding: bool = False) -> nn.Module:
+    """Take xla_tp off ``model``: every call made on it or inside it is undone (hooks, re-laid packed
+    weights, the lowering, parameter records), and once no parallelized model remains, torch's
+    functions are the originals again (``compat``). Parameters stay on the XLA device with their
+    values; their shardings are cleared (replicated) unless ``keep_sharding``. A module inside a
+    parallelized model is made plain on its own: the model around it finds its lowering again at its
+    next forward. Returns ``model``. Example::
+
+        model = xla_tp.unparallelize(xla_tp.parallelize_xla(model, "auto", mesh=mesh))
+    """
+    inside = {id(m) for m in model.modules()}
+    for _, mod, _ in list(states_under(model)):
+        _forget(mod)
+    for root, state in all_states():  # a call on a model around this one: what it did inside goes
+        for key in [k for k in state.constraints if k in inside]:
+            state.remove_constraint_hooks(key)
+        for fqn in [f for f, (ref, *_) in state.relaid.items() if id(ref()) in inside]:
+            ref, name, _, handles = state.relaid.pop(fqn)
+            packed.unrelayout(ref(), name, handles)
+        if id(model) in {id(m) for m in root.modules()}:
+            state.pending = True
+    lowering.uninstall(model)
+    for p in model.parameters():
+        if record_of(p) is not None and not keep_sharding:
+            xs.clear_sharding(p)
+        clear_param_state(p)
+    return model
 
 
 def parallelize_module(module: nn.Module, device_mesh: Any = None,
@@ -133,7 +228,7 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
     if tp_axis not in names:
         raise PlanError(f"parallelize_module: the mesh has axes {names} and none is the tensor-parallel "
                         f"axis; pass a 1-D mesh or name one axis 'tp' or 'model'")
-    if tp_axis in BATCH_AXES:
+    if tp_axis in mesh_axes("batch"):
         raise PlanError(f"parallelize_module: the mesh's axis {tp_axis!r} carries the batch, so it cannot be "
                         f"the tensor-parallel axis; pass the tensor-parallel slice (e.g. world['tp']) or "
                         f"name the axis 'tp'")

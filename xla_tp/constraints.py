@@ -12,70 +12,52 @@ stays (it may leave the program: logits under loss parallelism, where nothing el
 unless the module joins a column group (``drop_implied_output``): q/k/v or gate/up outputs stay inside. What the plan spells out beyond that (sequence-parallel layouts, a gathered output) stays. The
 batch enters split over the data axes: the outermost parallelized module constrains its first
 input (``entry_hook``). The audit still reads the full chains, and each chain's dimensions are
-checked against its tensor at the first forward. Example::
+checked against its tensor at the first forward. The constraints reach the backend through a ``Sharder`` (torch_xla's
+``backends.annotate.XlaSharder``, the JAX backend's ``JaxSharder``). Example::
 
-    install_constraints(model, layout, mesh)   # forward pre-hooks and hooks on planned modules
+    install_constraints(model, state, XlaSharder(mesh))   # forward pre-hooks and hooks on planned modules
 """
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, Optional
+from typing import Any, Protocol
 
 import torch
-import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
-from . import dynamo
 from .errors import PlanError
 from .lowering import scope
 from .plan.layout import Chain, Layout, ModuleLayout, activation_spec
-
-_HANDLES = "_xla_tp_hooks"  # on each hooked module: (layout that installed them, handles)
-_IMPLIED_OUTPUT = "_xla_tp_implied_output"  # on a column-parallel module: its output hook's handle
+from .state import ModelState, all_states
 
 
-class ShardingConstraint(torch.autograd.Function):
-    """``y = x`` laid out as ``spec``; ``dy`` laid out as ``spec`` too."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
-        ctx.mesh, ctx.spec = mesh, spec
-        return annotated_copy(x, mesh, spec)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return annotated_copy(grad, ctx.mesh, ctx.spec), None, None
-
-
-def annotated_copy(x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
-    """A copy of ``x`` behind a Sharding custom call. ``xs.mark_sharding`` cannot be used: on a
-    copy of device data (a fresh input) it refuses to replace the existing annotation. Under
-    ``torch.compile`` it is a custom op dynamo records (``dynamo.constrain``)."""
-    if torch.compiler.is_compiling():
-        return dynamo.constrain(x, mesh, spec)
-    return dynamo.annotated(x, mesh.get_op_sharding(spec))
-
-
-class _Constrainer:
-    """Applies chains of placements to tensors for one mesh and layout."""
-
-    def __init__(self, mesh: xs.Mesh, layout: Layout):
-        self.mesh, self.tp_axis, self.batch_axes = mesh, layout.tp_axis, layout.batch_axes
-        sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
-        self.batch_size = math.prod(sizes[a] for a in self.batch_axes)
-        dynamo.name(mesh)  # for torch.compile
+class Sharder(Protocol):
+    """What a backend gives the constraints: which tensors it lays out, and how."""
 
     def applies(self, x: Any) -> bool:
-        """Whether ``x`` is a tensor this backend constrains (here: an XLA tensor)."""
-        return isinstance(x, torch.Tensor) and x.device.type == "xla"
+        """Whether ``x`` is a tensor of this backend."""
 
     def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
-        """``x`` laid out as ``spec``, its gradient too."""
-        return ShardingConstraint.apply(x, self.mesh, spec)
+        """``x`` laid out as ``spec`` (a partition spec over mesh axes), its gradient too."""
 
-    checks = True  # check each placement against the tensor's rank (torch_xla does it once, at the first forward)
+    def batch_size(self, axes: tuple[str, ...]) -> int:
+        """The number of devices ``axes`` span."""
+
+
+class Constrainer:
+    """Applies chains of placements to tensors for one layout, through ``sharder``."""
+
+    def __init__(self, sharder: Sharder, layout: Layout, checks: bool = True):
+        self.sharder, self.tp_axis, self.batch_axes = sharder, layout.tp_axis, layout.batch_axes
+        self.batch_size = sharder.batch_size(self.batch_axes)
+        self.checks = checks  # check each placement against the tensor's rank (else once, at the first forward)
+
+    def applies(self, x: Any) -> bool:
+        return self.sharder.applies(x)
+
+    def spec(self, placement: Any, x: torch.Tensor) -> tuple:
+        return activation_spec(placement, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size)
 
     def __call__(self, x: Any, placements: Chain, ml: ModuleLayout, role: str, index: Any) -> Any:
         if not placements or not self.applies(x) or x.dim() == 0:
@@ -83,7 +65,7 @@ class _Constrainer:
         if self.checks:
             self.check(x, placements, ml, role, index)
         for p in placements:
-            x = self.constrain(x, activation_spec(p, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size))
+            x = self.sharder.constrain(x, self.spec(p, x))
         return x
 
     def check(self, x: Any, placements: Chain, ml: ModuleLayout, role: str, index: Any) -> None:
@@ -156,7 +138,7 @@ def runtime_chain(ml: ModuleLayout, chain: Chain, is_input: bool) -> Chain:
 class _FirstForward:
     """Pre/post hooks that check a module's full chains against its tensors, once."""
 
-    def __init__(self, ml: ModuleLayout, constrain: _Constrainer):
+    def __init__(self, ml: ModuleLayout, constrain: Constrainer):
         self.ml, self.constrain, self.handles = ml, constrain, []
 
     def pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -181,65 +163,48 @@ def _pruned(ml: ModuleLayout) -> ModuleLayout:
                                outputs=tuple(runtime_chain(ml, c, False) for c in ml.outputs))
 
 
-def entry_hook(constrain: _Constrainer):
+def entry_hook(constrain: Constrainer):
     """Pre-hook: the first input of the outermost parallelized forward, batch split over the data axes."""
     def hook(module: nn.Module, args: tuple, kwargs: dict):
         if not args or scope.depth() != 1 or not constrain.applies(args[0]) or args[0].dim() == 0:
             return None
         x = args[0]
-        spec = activation_spec(Replicate(), tuple(x.shape), constrain.tp_axis, constrain.batch_axes, constrain.batch_size)
-        return (constrain.constrain(x, spec), *args[1:]), kwargs
+        return (constrain.sharder.constrain(x, constrain.spec(Replicate(), x)), *args[1:]), kwargs
     return hook
 
 
-def install_constraints(root: nn.Module, layout: Layout, mesh: xs.Mesh, replacing: Optional[Layout] = None) -> None:
-    """Add the hooks for every module layout that constrains activations (their runtime chains, and a
-    one-off check of the full chains), and the entry constraint on ``root`` when the mesh has a data
-    or fsdp axis.
+def install_constraints(root: nn.Module, state: ModelState, sharder: Sharder) -> None:
+    """Add the hooks for every module layout of ``state`` that constrains activations (their runtime
+    chains, and a one-off check of the full chains), and the entry constraint on ``root`` when the
+    mesh has a data or fsdp axis. The handles are kept in ``state``.
 
-    Hooks are kept on the module they run on, tagged with the layout that installed them. A
-    module this layout plans drops the hooks of earlier calls; ``replacing`` (the layout of the
-    previous call on ``root``) drops the hooks that call installed on modules this one leaves out.
-    Hooks that other calls (on parents or children of ``root``) installed elsewhere stay.
+    A module this layout plans drops the constraint hooks earlier calls (on it, its parents or its
+    children) put on it; the hooks of the call this one replaces on ``root`` are already gone.
     """
-    for fqn, mod in root.named_modules():
-        tag, handles = getattr(mod, _HANDLES, (None, ()))
-        if handles and (fqn in layout.modules or (replacing is not None and tag is replacing)):
-            for handle in handles:
-                handle.remove()
-            delattr(mod, _HANDLES)
-    constrain = _Constrainer(mesh, layout)
-    constrain.checks = False
-    # the batch's split first, then the root's own layouts (a sequence-parallel root refines it)
-    entry = [root.register_forward_pre_hook(entry_hook(constrain), with_kwargs=True)] if layout.batch_axes else []
-    if entry:
-        tag, handles = getattr(root, _HANDLES, (layout, []))
-        setattr(root, _HANDLES, (tag, [*handles, *entry]))
+    layout = state.layout
+    planned = {id(root.get_submodule(fqn) if fqn else root) for fqn in layout.modules}
+    for _, other in all_states():
+        for key in [k for k in other.constraints if k in planned]:
+            other.remove_constraint_hooks(key)
+    constrain = Constrainer(sharder, layout, checks=False)
+    if layout.batch_axes:  # the batch's split first, then the root's own layouts (a sequence-parallel root refines it)
+        state.add_constraint_hooks(root, [root.register_forward_pre_hook(entry_hook(constrain), with_kwargs=True)])
     for fqn, ml in layout.modules.items():
         mod = root.get_submodule(fqn) if fqn else root
         pruned = _pruned(ml)
-        handles = [*getattr(mod, _HANDLES, (None, []))[1], *module_hooks(mod, pruned, constrain)]
-        vars(mod).pop(_IMPLIED_OUTPUT, None)
+        handles = module_hooks(mod, pruned, constrain)
         if isinstance(pruned.natural_output, Shard) and pruned.outputs == ((pruned.natural_output,),):
-            setattr(mod, _IMPLIED_OUTPUT, handles[-1])  # module_hooks adds the output hook last
+            state.implied[id(mod)] = handles[-1]  # module_hooks adds the output hook last
         if any(ml.inputs) or any(ml.kwarg_inputs.values()) or any(ml.outputs):
             first = _FirstForward(ml, constrain)
             first.handles = [mod.register_forward_pre_hook(first.pre, with_kwargs=True),
                              mod.register_forward_hook(first.post)]
             handles += first.handles
         if handles:
-            setattr(mod, _HANDLES, (layout, handles))
+            state.add_constraint_hooks(mod, handles)
 
 
-def drop_implied_output(mod: nn.Module) -> None:
-    """Take off ``mod``'s output constraint if it only restates its weights' split (a column-parallel
-    output); for modules whose output never leaves the program (column-group members)."""
-    handle = vars(mod).pop(_IMPLIED_OUTPUT, None)
-    if handle is not None:
-        handle.remove()
-
-
-def module_hooks(mod: nn.Module, ml: ModuleLayout, constrain: _Constrainer) -> list[Any]:
+def module_hooks(mod: nn.Module, ml: ModuleLayout, constrain: Constrainer) -> list[Any]:
     """Forward (pre-)hooks on ``mod`` applying ``constrain`` to ``ml``'s chains; their handles."""
     handles = []
     if any(ml.inputs) or any(ml.kwarg_inputs.values()):
@@ -249,12 +214,7 @@ def module_hooks(mod: nn.Module, ml: ModuleLayout, constrain: _Constrainer) -> l
     return handles
 
 
-def register_hooks(root: nn.Module, layout: Layout, constrain: _Constrainer) -> list[Any]:
+def register_hooks(root: nn.Module, layout: Layout, constrain: Constrainer) -> list[Any]:
     """``module_hooks`` on every module ``layout`` plans, untagged (the caller removes them)."""
     return [h for fqn, ml in layout.modules.items()
             for h in module_hooks(root.get_submodule(fqn) if fqn else root, ml, constrain)]
-
-
-def constraint_hooks(root: nn.Module) -> list[Any]:
-    """The handles of every xla_tp constraint hook on ``root`` and its submodules (for suspending them)."""
-    return [handle for mod in root.modules() for handle in getattr(mod, _HANDLES, (None, ()))[1]]

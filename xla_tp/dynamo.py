@@ -10,12 +10,11 @@ openxla backend runs on XLA tensors when it builds the program.
 
 The rest of xla_tp keeps its one-off work out of the compiled graph: the first forward's group
 discovery runs eagerly (``torch.compiler.disable``: one graph break, on the first call only), and
-hooks that remove themselves wait for an eager call. ``enable`` fixes the bridge's input matching
-(below), without which a compiled training step silently replays its first step's values.
-Example::
+hooks that remove themselves wait for an eager call. ``inputs_by_data`` fixes the bridge's input
+matching (a ``compat`` effect), without which a compiled training step silently replays its first
+step's values. Example::
 
-    enable()                                          # parallelize_xla calls it
-    y = constrain(x, mesh, ("data", None, "model"))   # inside a forward that torch.compile traces
+    y = constrain(x, str(mesh), ("data", None, "model"))   # inside a forward that torch.compile traces
 """
 from __future__ import annotations
 
@@ -51,25 +50,16 @@ def _(x: torch.Tensor, mesh: str, spec: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-_NAME = "_xla_tp_name"  # on an xs.Mesh: str(mesh), which dynamo reads as a constant attribute
+def constrain(x: torch.Tensor, mesh_name: str, spec: tuple) -> torch.Tensor:
+    """A copy of ``x`` laid out as ``spec`` on the mesh named ``mesh_name`` (``str(mesh)``, read outside
+    compilation): one op dynamo records (no gradient rule: callers inside an autograd Function annotate
+    the gradient themselves)."""
+    return _constrain(x, mesh_name, repr(tuple(spec)))
 
 
-def name(mesh: xs.Mesh) -> str:
-    """``str(mesh)``, kept on the mesh: call it outside compilation (``str`` reads numpy, which would
-    split dynamo's graph) so that a compiled forward finds it."""
-    if _NAME not in vars(mesh):
-        setattr(mesh, _NAME, str(mesh))
-    return getattr(mesh, _NAME)
-
-
-def constrain(x: torch.Tensor, mesh: xs.Mesh, spec: tuple) -> torch.Tensor:
-    """A copy of ``x`` laid out as ``spec`` on ``mesh``: one op dynamo records (no gradient rule:
-    callers inside an autograd Function annotate the gradient themselves)."""
-    return _constrain(x, getattr(mesh, _NAME), repr(tuple(spec)))
-
-
-def enable() -> None:
-    """Make torch_xla's dynamo bridge find a compiled graph's inputs by their data (idempotent).
+def inputs_by_data(extract: Callable) -> Callable:
+    """torch_xla's ``extract_graph_helper`` that finds a compiled graph's inputs by their data (a
+    ``compat`` effect, installed while a model is parallelized).
 
     The bridge tells a graph's inputs from its constants by the tensor id recorded in each input's
     device data. Under SPMD that record is rewritten whenever torch_xla wraps the data in a new
@@ -80,11 +70,6 @@ def enable() -> None:
     second step on, with or without xla_tp. After each extraction, a constant whose data is one of
     the call's arguments (same device buffer) becomes that argument again.
     """
-    if not getattr(bridge.extract_graph_helper, "_xla_tp", False):
-        bridge.extract_graph_helper = _inputs_by_data(bridge.extract_graph_helper)
-
-
-def _inputs_by_data(extract: Callable) -> Callable:
     @functools.wraps(extract)
     def extract_graph_helper(xla_model: Any, *args: Any) -> tuple:
         torch_xla.sync(reset_scope=False)  # what ``extract`` starts with: every argument is device data now
@@ -96,7 +81,6 @@ def _inputs_by_data(extract: Callable) -> Callable:
         _rematch(out[5], buffers)
         return out
 
-    extract_graph_helper._xla_tp = True
     return extract_graph_helper
 
 

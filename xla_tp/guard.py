@@ -8,7 +8,8 @@ replicated. ``parallelize_xla`` records each parameter's sharding; a global ``Op
 post-hook re-applies it to the parameter and to each state tensor of the same shape (still lazy
 at that point, so the compiled step produces them sharded), for any optimizer, without a change
 to user code. A pre-hook adapts or refuses optimizers that cannot run on XLA as they are
-(``xla_tp.optim``).
+(``xla_tp.optim``). The two hooks are a ``compat`` effect (``register``): they act on parameters
+xla_tp sharded only, and are removed when no parallelized model remains.
 Example::
 
     opt = torch.optim.AdamW(model.parameters())
@@ -24,12 +25,11 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import torch_xla
 import torch_xla.distributed.spmd as xs
 
-from . import optim
+from . import compat, optim
 from .plan.layout import Spec
+from .state import ensure_param_state, param_state
 
 log = logging.getLogger(__name__)
-SHARDING_ATTR = "_xla_tp_sharding"
-_hook_handles: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -45,22 +45,31 @@ def sharding_of(t: torch.Tensor) -> str:
     return torch_xla._XLAC._get_xla_sharding_spec(t)
 
 
-def remember_sharding(p: torch.nn.Parameter, fqn: str, mesh: xs.Mesh, spec: Spec) -> None:
+def remember_sharding(p: torch.nn.Parameter, fqn: str, mesh: xs.Mesh, spec: Spec) -> ParamSharding:
     """Record ``p``'s sharding (right after annotation) so optimizer steps can restore it."""
-    setattr(p, SHARDING_ATTR, ParamSharding(fqn, mesh, spec, sharding_of(p)))
-    _install_hook()
+    record = ensure_param_state(p).sharding = ParamSharding(fqn, mesh, spec, sharding_of(p))
+    return record
+
+
+def record_of(p: torch.Tensor) -> ParamSharding | None:
+    """The sharding recorded for ``p`` (None if xla_tp did not shard it)."""
+    return getattr(param_state(p), "sharding", None)
 
 
 def forget_sharding(p: torch.Tensor) -> bool:
     """Drop ``p``'s record; True if it had one."""
-    return p.__dict__.pop(SHARDING_ATTR, None) is not None
+    ps = param_state(p)
+    had = ps is not None and ps.sharding is not None
+    if had:
+        ps.sharding = None
+    return had
 
 
 def restore_sharding(t: torch.Tensor, like: torch.Tensor | None = None) -> bool:
     """Re-apply the sharding recorded on ``like`` (default: ``t`` itself) to ``t`` if it differs;
     True if it had to. ``restore_sharding(exp_avg, like=param)`` shards a state like its parameter."""
     owner = t if like is None else like
-    rec: ParamSharding | None = getattr(owner, SHARDING_ATTR, None)
+    rec = record_of(owner)
     if rec is None or t.device.type != "xla" or t.shape != owner.shape or sharding_of(t) == rec.expected:
         return False
     xs.clear_sharding(t)
@@ -80,7 +89,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             if restore_sharding(p):
-                params.append(getattr(p, SHARDING_ATTR).fqn)
+                params.append(record_of(p).fqn)
             states += sum(restore_sharding(s, like=p) for s in _state_tensors(optimizer, p))
     if params:
         log.info("xla_tp: %s.step() dropped the sharding of %d parameters (%s); restored",
@@ -92,11 +101,15 @@ def _after_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
 
 @torch.compiler.disable
 def _before_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    compat.refresh()  # an optional package (torchao) loaded since the model was parallelized
     optim.before_step(optimizer)
 
 
-def _install_hook() -> None:
-    global _hook_handles
-    if not _hook_handles:
-        _hook_handles = (register_optimizer_step_pre_hook(_before_step),
-                         register_optimizer_step_post_hook(_after_step))
+def register() -> compat.Undo:
+    """Register the step hooks for every optimizer (a ``compat`` effect); returns their removal."""
+    handles = (register_optimizer_step_pre_hook(_before_step), register_optimizer_step_post_hook(_after_step))
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+    return remove

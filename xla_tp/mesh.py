@@ -21,17 +21,10 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch.distributed.device_mesh import DeviceMesh
 
+from .axes import AXIS_ALIASES, AXIS_ORDER, canonical_axis
 from .errors import MeshError
 
-AXIS_ORDER = ("data", "fsdp", "model")
-AXIS_ALIASES = {"tp": "model", "tensor": "model", "dp": "data"}
-
 _runtime_ready = False
-
-
-def canonical_axis(name: str) -> str:
-    """``canonical_axis("tp") == "model"``; unknown names are returned unchanged."""
-    return AXIS_ALIASES.get(name, name)
 
 
 def ensure_runtime() -> None:

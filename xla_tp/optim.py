@@ -9,7 +9,7 @@ restored right after the step); the step guard then keeps every state sharded li
 Its fp32 -> bf16 stochastic rounding reinterprets bits with ``Tensor.view(dtype)``, which torch_xla
 2.9 does not trace: every call executes the pending graph (two device round trips per parameter per
 step). For XLA tensors xla_tp performs the same rounding with XLA's ``BitcastConvert`` as a lazy op,
-so the whole optimizer step stays one compiled program.
+so the whole optimizer step stays one compiled program (``lazy_rounding``, a ``compat`` effect).
 torchao's 8-bit, 4-bit and FP8 optimizers keep their states in tensor subclasses, which
 torch_xla's functionalization cannot hold: they are refused with ``OptimizerError`` before the
 first step touches anything. The step pre-hook of ``xla_tp.guard`` calls ``adapt_optimizer``.
@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Callable
 
 import torch
@@ -28,8 +29,9 @@ import torch_xla.core.xla_builder as xb
 import torch_xla.core.xla_op_registry as xor
 
 from .errors import OptimizerError
+from .state import param_state
 
-_STANCE = "_xla_tp_stance"
+_stances: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the stance its step runs under
 
 
 def before_step(optimizer: torch.optim.Optimizer) -> None:
@@ -39,8 +41,8 @@ def before_step(optimizer: torch.optim.Optimizer) -> None:
     adam = sys.modules.get("torchao.optim.adam")
     if adam is None or not isinstance(optimizer, adam._AdamBase):
         return
-    if not any(p.device.type == "xla" for g in optimizer.param_groups for p in g["params"]):
-        return
+    if not any(param_state(p) is not None for g in optimizer.param_groups for p in g["params"]):
+        return  # no parameter of a parallelized model
     if type(optimizer)._subclass_zeros is not adam._AdamBase._subclass_zeros:
         raise OptimizerError(
             f"{type(optimizer).__name__} keeps its states in torchao's quantized tensor subclasses, "
@@ -48,14 +50,12 @@ def before_step(optimizer: torch.optim.Optimizer) -> None:
             f"torchao.optim._AdamW(params, bf16_stochastic_round=True) with bf16 parameters, or "
             f"torch.optim.AdamW: xla_tp shards their states like the parameters, which divides "
             f"optimizer memory by the mesh size")
-    if not isinstance(adam._fp32_to_bf16_sr, _LazyOnXla):
-        adam._fp32_to_bf16_sr = _LazyOnXla(adam._fp32_to_bf16_sr)
-    setattr(optimizer, _STANCE, torch.compiler.set_stance("force_eager"))
+    _stances[optimizer] = torch.compiler.set_stance("force_eager")
 
 
 def after_step(optimizer: torch.optim.Optimizer) -> None:
     """Restore the compiler stance ``before_step`` set, if any."""
-    stance = optimizer.__dict__.pop(_STANCE, None)
+    stance = _stances.pop(optimizer, None)
     if stance is not None:
         stance.__exit__(None, None, None)
 
@@ -74,11 +74,8 @@ def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     return _I32_AS_F32(torch.where(noise < dropped, toward_zero + 0x10000, toward_zero)).bfloat16()
 
 
-class _LazyOnXla:
+def lazy_rounding(original: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
     """torchao's rounding function for other devices, ``stochastic_round_to_bf16`` for XLA tensors."""
-
-    def __init__(self, original: Callable[[torch.Tensor], torch.Tensor]):
-        self.original = original
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return stochastic_round_to_bf16(x) if x.device.type == "xla" else self.original(x)
+    def rounding(x: torch.Tensor) -> torch.Tensor:
+        return stochastic_round_to_bf16(x) if x.device.type == "xla" else original(x)
+    return rounding

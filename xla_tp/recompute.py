@@ -7,7 +7,8 @@ every checkpointed block fails with ``AttributeError: module 'torch' has no attr
 module backed by torch_xla's RNG (the seed of the XLA generator): re-entrant and non-re-entrant
 checkpoints then run, dropout masks replay identically in the recomputation, and the compiled
 backward recomputes the checkpointed blocks instead of keeping their activations (the audit of
-the backward counts their matmuls twice). Example::
+the backward counts their matmuls twice). ``register`` is a ``compat`` effect: ``torch.xla`` goes
+away again when no parallelized model remains. Example::
 
     model = xla_tp.parallelize_xla(model, "auto", mesh=mesh)
     model.gradient_checkpointing_enable()        # or torch.utils.checkpoint.checkpoint(block, x)
@@ -16,7 +17,9 @@ the backward counts their matmuls twice). Example::
 from __future__ import annotations
 
 import contextlib
+import sys
 import types
+from typing import Callable, Optional
 
 import torch
 import torch_xla.core.xla_model as xm
@@ -34,7 +37,15 @@ def _runtime_module() -> types.ModuleType:
     return mod
 
 
-def enable_activation_checkpointing() -> None:
-    """Register ``torch.xla`` for ``torch.utils.checkpoint`` unless something already did (idempotent)."""
-    if getattr(torch, "xla", None) is None:
-        torch._register_device_module("xla", _runtime_module())
+def register() -> Optional[Callable[[], None]]:
+    """Register ``torch.xla`` for ``torch.utils.checkpoint`` unless something already did; its removal."""
+    if getattr(torch, "xla", None) is not None:
+        return lambda: None
+    module = _runtime_module()
+    torch._register_device_module("xla", module)
+
+    def remove() -> None:
+        if getattr(torch, "xla", None) is module:
+            delattr(torch, "xla")
+            sys.modules.pop("torch.xla", None)
+    return remove

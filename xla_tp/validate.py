@@ -15,7 +15,6 @@ from typing import Callable, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
-from .backends.init import initializer
 from .errors import PlanError
 from .plan.layout import Layout, ModuleLayout, Spec, spec_axes
 from .plan.subaxis import axis_size, split_sub_axis
@@ -107,3 +106,23 @@ def _check_meta(module: nn.Module) -> None:
             raise PlanError(f"module {fqn or '<root>'!r} ({type(mod).__name__}) has tensors {meta} on the "
                             f"meta device and no reset_parameters() to initialise them; add one or "
                             f"materialise the module before parallelize_xla")
+
+
+def initializer(root: nn.Module, fqn: str) -> Optional[Callable[[], None]]:
+    """A call that initialises the module at ``fqn`` in place, or None if it has no way to."""
+    mod = root.get_submodule(fqn)
+    owner = _hf_owner(root, fqn)
+    if owner is not None:
+        return lambda: owner._init_weights(mod)
+    reset = getattr(mod, "reset_parameters", None)
+    return reset if callable(reset) else None
+
+
+def _hf_owner(root: nn.Module, fqn: str) -> Optional[nn.Module]:
+    """The innermost transformers model (``_init_weights`` and a ``config``) containing ``fqn``."""
+    parts = fqn.split(".") if fqn else []
+    for n in range(len(parts), -1, -1):
+        candidate = root.get_submodule(".".join(parts[:n]))
+        if callable(getattr(candidate, "_init_weights", None)) and hasattr(candidate, "config"):
+            return candidate
+    return None

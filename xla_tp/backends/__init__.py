@@ -7,15 +7,20 @@
 """
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Optional
 
 import torch
 import torch_xla.distributed.spmd as xs
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import distribute_tensor
+from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from ..errors import PlanError
 from ..plan.layout import Spec, spec_axes
 
 ShardFn = Callable[[torch.Tensor, xs.Mesh, Spec], torch.Tensor]
+_twins: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # xs.Mesh -> its DeviceMesh twin
 
 
 def shard_mark(t: torch.Tensor, mesh: xs.Mesh, spec: Spec) -> torch.Tensor:
@@ -26,9 +31,6 @@ def shard_mark(t: torch.Tensor, mesh: xs.Mesh, spec: Spec) -> torch.Tensor:
 
 def shard_distribute(t: torch.Tensor, mesh: xs.Mesh, spec: Spec) -> torch.Tensor:
     """``distribute_tensor`` with the placements equivalent to ``spec``, unwrapped."""
-    from torch.distributed.tensor import distribute_tensor
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-
     placements = []
     for axis in mesh.axis_names:
         dims = [d for d, a in enumerate(spec) if axis in spec_axes(a)]
@@ -37,13 +39,13 @@ def shard_distribute(t: torch.Tensor, mesh: xs.Mesh, spec: Spec) -> torch.Tensor
     return distribute_tensor(t, device_mesh, placements).global_tensor
 
 
-def _device_mesh(mesh: xs.Mesh):
-    """The ``DeviceMesh("xla", ...)`` twin of ``mesh``, built once and kept on it."""
-    from torch.distributed.device_mesh import DeviceMesh
-    if getattr(mesh, "_xla_tp_device_mesh", None) is None:
+def _device_mesh(mesh: xs.Mesh) -> DeviceMesh:
+    """The ``DeviceMesh("xla", ...)`` twin of ``mesh``, built once per mesh."""
+    twin = _twins.get(mesh)
+    if twin is None:
         ids = torch.as_tensor(mesh.device_ids).reshape(tuple(mesh.mesh_shape))
-        mesh._xla_tp_device_mesh = DeviceMesh("xla", ids, mesh_dim_names=tuple(mesh.axis_names))
-    return mesh._xla_tp_device_mesh
+        twin = _twins[mesh] = DeviceMesh("xla", ids, mesh_dim_names=tuple(mesh.axis_names))
+    return twin
 
 
 def distribute_problem(spec: Spec) -> Optional[str]:

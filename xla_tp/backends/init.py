@@ -26,29 +26,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..errors import PlanError
-from ..guard import SHARDING_ATTR
+from ..validate import initializer
+from ..state import PARAM_ATTR
 from .host import release_host_memory, write_from_host
 from .rng import FILLS
-
-
-def initializer(root: nn.Module, fqn: str) -> Optional[Callable[[], None]]:
-    """A call that initialises the module at ``fqn`` in place, or None if it has no way to."""
-    mod = root.get_submodule(fqn)
-    owner = _hf_owner(root, fqn)
-    if owner is not None:
-        return lambda: owner._init_weights(mod)
-    reset = getattr(mod, "reset_parameters", None)
-    return reset if callable(reset) else None
-
-
-def _hf_owner(root: nn.Module, fqn: str) -> Optional[nn.Module]:
-    """The innermost transformers model (``_init_weights`` and a ``config``) containing ``fqn``."""
-    parts = fqn.split(".") if fqn else []
-    for n in range(len(parts), -1, -1):
-        candidate = root.get_submodule(".".join(parts[:n]))
-        if callable(getattr(candidate, "_init_weights", None)) and hasattr(candidate, "config"):
-            return candidate
-    return None
 
 
 def initialise(root: nn.Module, fqn: str, fresh: Collection[int]) -> None:
@@ -75,7 +56,7 @@ def initialise(root: nn.Module, fqn: str, fresh: Collection[int]) -> None:
         if value.shape != t.shape:
             raise PlanError(f"the init of {fqn!r} replaced {name!r} of shape {tuple(t.shape)} by one of shape "
                             f"{tuple(value.shape)}; an init must keep its tensors' shapes")
-        write_from_host(t, lambda blocks: [value[b] for b in blocks])
+        write_from_host(t, lambda blocks, value=value: [value[b] for b in blocks])
         del value
         release_host_memory()
     release_host_memory()
@@ -185,5 +166,5 @@ def _twin(t: torch.Tensor, device: str) -> torch.Tensor:
     if not isinstance(t, nn.Parameter):
         return twin
     out = nn.Parameter(twin, requires_grad=t.requires_grad)
-    out.__dict__.update({k: v for k, v in t.__dict__.items() if k != SHARDING_ATTR})
+    out.__dict__.update({k: v for k, v in t.__dict__.items() if k != PARAM_ATTR})
     return out

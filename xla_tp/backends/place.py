@@ -20,7 +20,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from ..guard import SHARDING_ATTR, forget_sharding, remember_sharding, restore_sharding
+from ..guard import forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
 from . import ShardFn
 from .init import initialise
@@ -79,7 +79,7 @@ def _place_param(p: nn.Parameter, fqn: str, spec, mesh, shard: ShardFn, device, 
         t = xs.clear_sharding(t)
     new = p if t is p else nn.Parameter(t, requires_grad=p.requires_grad)
     if new is not p:
-        new.__dict__.update({k: v for k, v in p.__dict__.items() if k != SHARDING_ATTR})
+        new.__dict__.update(p.__dict__)  # the module's own attributes, and xla_tp's ParamState (a re-laid packing)
     if spec is not None:
         remember_sharding(new, fqn, mesh, spec)
     return new

@@ -4,9 +4,9 @@ Tensors come from the model's own ``state_dict()``, so packed projections a plan
 written in their original layout, and ``from_pretrained`` gives the same logits. Each tensor is
 gathered to the host one at a time and files are cut at ``max_shard_bytes`` (with the usual
 ``model.safetensors.index.json``), so host memory stays near one file. Tied weights are written
-once, as ``save_pretrained`` does. ``parallelize_xla`` also makes transformers' own
-``model.save_pretrained(dir)`` work on the parallelized model (``host_save_pretrained``): it is
-handed host copies of the state dict, which it cannot take from XLA tensors itself (safetensors
+once, as ``save_pretrained`` does. transformers' own ``model.save_pretrained(dir)`` works on a
+parallelized model too (``host_save_pretrained``, a ``compat`` effect): it is handed host copies
+of the state dict, which it cannot take from XLA tensors itself (safetensors
 reads their storage pointer: ``Attempted to access the data pointer on an invalid python
 storage``). Example::
 
@@ -15,17 +15,18 @@ storage``). Example::
 """
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
-import types
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch_xla
 from torch import nn
 
 from ..backends.host import read_to_host
+from ..state import param_state
 
 log = logging.getLogger(__name__)
 WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -98,15 +99,12 @@ def host_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: read_to_host(v) for k, v in state.items()}
 
 
-def _save_pretrained(self: nn.Module, save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
-    if state_dict is None:
-        state_dict = host_state_dict(self)
-    return type(self).save_pretrained(self, save_directory, *args, state_dict=state_dict, **kwargs)
-
-
-def host_save_pretrained(model: nn.Module) -> None:
-    """Give every transformers model inside ``model`` a ``save_pretrained`` that works on XLA (idempotent)."""
-    for mod in model.modules():
-        if callable(getattr(type(mod), "save_pretrained", None)) and hasattr(mod, "config") \
-                and getattr(mod.save_pretrained, "__func__", None) is not _save_pretrained:
-            mod.save_pretrained = types.MethodType(_save_pretrained, mod)
+def host_save_pretrained(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' ``save_pretrained``, given host copies of the state dict when the model holds
+    parameters xla_tp sharded (other models are saved as they would be)."""
+    @functools.wraps(original)
+    def save_pretrained(self: nn.Module, save_directory: Any, *args: Any, state_dict: Any = None, **kwargs: Any) -> Any:
+        if state_dict is None and any(param_state(p) is not None for p in self.parameters()):
+            state_dict = host_state_dict(self)
+        return original(self, save_directory, *args, state_dict=state_dict, **kwargs)
+    return save_pretrained

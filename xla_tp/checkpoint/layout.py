@@ -21,7 +21,7 @@ import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from ..guard import SHARDING_ATTR, ParamSharding, restore_sharding
+from ..guard import ParamSharding, record_of, restore_sharding
 from ..plan.layout import Spec
 
 MODEL, OPTIM = "model.", "optim."
@@ -48,7 +48,7 @@ def spec_for_shape(shape: tuple[int, ...], mesh: xs.Mesh, spec: Spec) -> Spec:
 
 def shard_like(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """Annotate ``t`` (an XLA tensor holding values of ``param``, possibly re-laid) like ``param``."""
-    rec: Optional[ParamSharding] = getattr(param, SHARDING_ATTR, None)
+    rec: Optional[ParamSharding] = record_of(param)
     if rec is None or t.device.type != "xla":
         return t
     if t.shape == param.shape:

@@ -94,7 +94,7 @@ def _write_each(source: SafetensorsSource, targets: dict[str, torch.Tensor]) -> 
     """Write every tensor of ``source`` into its target, one at a time, reporting progress."""
     last = time.perf_counter()
     for n, (name, target) in enumerate(targets.items(), 1):
-        write_from_host(target, lambda blocks: source.read(name, blocks))
+        write_from_host(target, lambda blocks, name=name: source.read(name, blocks))
         release_host_memory()
         if time.perf_counter() - last > 10:
             last = time.perf_counter()

@@ -39,8 +39,9 @@ from typing import Callable, Mapping, Optional
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from ..axes import batch_ways
 from ..plan.layout import Spec
-from ..report import local_shape
+from ..plan.table import local_shape
 from .model import ModelShape
 from .topology import GiB, Topology
 
@@ -158,7 +159,7 @@ def activation_bytes(shape: ModelShape, settings: FitSettings, mesh: Mapping[str
     """(activation bytes per chip, tokens per chip), by the formula in the module docstring."""
     a = BYTES[settings.precision]
     tp = mesh.get("model", 1)
-    tokens = settings.batch * settings.seq_len // (mesh.get("data", 1) * mesh.get("fsdp", 1))
+    tokens = settings.batch * settings.seq_len // batch_ways(mesh)
     attn = shape.heads * shape.head_dim
     layer = (2 * shape.hidden * (8 + a) + 4 * attn * a / tp + shape.heads * settings.seq_len * (4 + a) / tp
              + 4 * shape.intermediate * a / tp)
@@ -203,7 +204,7 @@ def suggest(report: FitReport, shape: ModelShape, chips: int,
     best_mesh = _best_mesh(report, shape, chips, remesh)
     if best_mesh is not None:
         tries.append((f"mesh={_flow(best_mesh.mesh)}", best_mesh))
-    dp = report.mesh.get("data", 1) * report.mesh.get("fsdp", 1)
+    dp = batch_ways(report.mesh)
     batch, smaller = report.settings.batch, None
     while batch % 2 == 0 and (batch // 2) % dp == 0:
         batch //= 2
@@ -217,7 +218,7 @@ def suggest(report: FitReport, shape: ModelShape, chips: int,
         return lines
     combined = best_mesh or report
     combined = with_settings(combined, shape, precision="bf16", activation_checkpointing=True,
-                             batch=combined.mesh.get("data", 1) * combined.mesh.get("fsdp", 1))
+                             batch=batch_ways(combined.mesh))
     if combined.fits:
         return lines + [f"all of these together (smallest batch): {human(combined.total)} per chip (fits)"]
     state = (combined.params + combined.grads + combined.optimizer) * chips

@@ -18,6 +18,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from ..axes import batch_ways
 from .schema import LaunchError, build, choice, find_yaml, positive, read_yaml, shipped_names
 from .topology import Topology, check_mesh
 
@@ -192,10 +193,10 @@ def check_for_topology(recipe: Recipe, topology: Topology) -> dict[str, int]:
     mesh = recipe.mesh_for(topology)
     where = f"{recipe.path}: mesh" if recipe.mesh is not None else f"topology {topology.name}: mesh"
     check_mesh(mesh, topology.chips, where)
-    batch_ways = mesh.get("data", 1) * mesh.get("fsdp", 1)
-    if recipe.batch % batch_ways:
-        raise LaunchError(f"{recipe.path}: batch={recipe.batch} does not divide over data x fsdp = {batch_ways} "
-                          f"(mesh {mesh}); use a multiple of {batch_ways}")
+    ways = batch_ways(mesh)
+    if recipe.batch % ways:
+        raise LaunchError(f"{recipe.path}: batch={recipe.batch} does not divide over data x fsdp = {ways} "
+                          f"(mesh {mesh}); use a multiple of {ways}")
     return mesh
 
 

@@ -23,7 +23,7 @@ import yaml
 
 import xla_tp
 
-from ..mesh import AXIS_ORDER
+from ..axes import AXIS_ORDER
 from .check import compare_one_step
 from .checkpoints import Checkpoints
 from .data import Batches

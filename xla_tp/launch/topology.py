@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
 
-from ..mesh import AXIS_ORDER
+from ..axes import AXIS_ORDER
 from .schema import LaunchError, build, did_you_mean, find_yaml, read_yaml, shipped_names
 
 TOPOLOGY_DIR = Path(__file__).resolve().parents[2] / "tpu_configs"

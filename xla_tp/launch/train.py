@@ -28,6 +28,7 @@ import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from ..axes import batch_axes, spec_entry
 from .checkpoints import Checkpoints
 from .data import IGNORE, Batches
 from .model import ModelShape
@@ -81,9 +82,7 @@ def flops_per_token(model: nn.Module, shape: ModelShape, seq_len: int) -> int:
 
 def batch_spec(mesh: xs.Mesh) -> tuple:
     """Partition spec of a ``[batch, seq]`` input: the batch over the data/fsdp axes that are > 1."""
-    sizes = dict(zip(mesh.axis_names, mesh.mesh_shape))
-    axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
-    return (axes if len(axes) > 1 else (axes[0] if axes else None), None)
+    return (spec_entry(batch_axes(dict(zip(mesh.axis_names, mesh.mesh_shape)))), None)
 
 
 def to_device(t: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:

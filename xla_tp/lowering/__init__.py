@@ -1,87 +1,115 @@
 """Lowering at run time: a parallelized forward rewritten where that keeps the compiler's shardings.
 
-``install(model, sites, tp)`` puts it in place: attention with visible heads, spelled-out LayerNorm
-and clamped slices inside any parallelized forward (``patches``, ``attention``), re-laid packed
-projections read in place at their ``sites`` (``mode``, ``packed``), column groups with one fused
-input gradient and vocabulary-parallel embeddings with per-device weight gradients (reduced once
-with a tied LM head's), found at the first forward (``groups``, ``embedding``, ``tied``,
-``sites``), and the per-forward cleanup (``scope``). Example::
+``install(root, state)`` puts it in place for one parallelized module: the scope hooks (``scope``:
+where ``entry``'s rewrites act, and the packed-output mode around the modules that slice a re-laid
+packed projection), and what the model's dataflow says about it (``find``): column groups with one
+fused input gradient (``groups``) and vocabulary-parallel embeddings with per-device weight gradients,
+reduced once with a tied LM head's (``embedding``, ``tied``). ``find`` reads a forward of the model
+traced on fake tensors: the planner's, or one on a synthesised input; a model whose forward cannot be
+traced without its real arguments is found at its first call (``state.pending``), from a trace of
+that call that leaves the arguments untouched. Example::
 
-    install(model, packed_sites(model), tp=4)
+    install(model, state)          # parallelize_xla does this
+    state.groups                   # [('model.layers.0.self_attn.q_proj', '...k_proj', '...v_proj'), ...]
 """
-from typing import Any, Optional
+from __future__ import annotations
 
+from typing import Any, Mapping, Optional
+
+import torch
 from torch import nn
 
-from ..plan.layout import Layout
-from . import patches, scope
+from ..backends.annotate import XlaSharder
+from ..dataflow.graph import Graph
+from ..dataflow.trace import trace
+from ..errors import PlanError
+from ..state import ModelState, layout_of, states_under
+from . import scope
 from .attention import use_flash_attention
 from .embedding import install_embedding, uninstall_embeddings
 from .groups import install_group, uninstall_groups
-from .sites import batch_replicas, packed_sites, trace_groups, vocab_tables
-from .tied import install_tie, tied_heads, uninstall_ties
+from .sites import batch_replicas, find_groups, packed_sites, vocab_tables
+from .tied import install_tie, tied_heads
+
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device, torch.Tensor)
 
 
-def install(model: nn.Module, sites: set[str], tp: int, groups: bool = True) -> None:
-    """The attention wrappers (once per process), hooks for ``sites``, and (``groups``, torch_xla)
-    column groups found at the model's first forward."""
-    patches.install()
-    scope.install(model, sites, _first_forward(tp) if groups else None)
+def enter(root: nn.Module, state: ModelState, embeddings: bool = True) -> None:
+    """The first hook on ``root``: where its lowering starts (before any other hook xla_tp adds)."""
+    scope.install_root(root, state, _at_forward(embeddings))
 
 
-def _first_forward(tp: int):
-    def find(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> bool:
-        """Discover on a call with XLA inputs and the model's own parameters; True once done. A call on
-        tensors swapped in for it (``functional_call``: the audit's unsharded reference) hides the
-        parameters' sharding marks, so the tables would not be found: it waits for the next call."""
-        from ..plan.applied import layout_of
-        if not (args and getattr(args[0], "device", None) is not None and args[0].device.type == "xla"):
-            return False
-        layout = layout_of(model)
-        if layout is not None and not _own_parameters(model, layout):
-            return False
-        discover(model, args, kwargs, tp, layout)
-        return True
-    return find
-
-
-def _own_parameters(model: nn.Module, layout: Layout) -> bool:
-    """Whether ``model``'s planned parameters carry their sharding marks (not swapped in for one call)."""
-    from ..guard import SHARDING_ATTR
-    params = dict(model.named_parameters())
-    return all(hasattr(params[name], SHARDING_ATTR) for name in layout.params if name in params)
-
-
-def discover(model: nn.Module, args: tuple, kwargs: dict[str, Any], tp: int, layout: Optional[Layout] = None,
-             embeddings: bool = True) -> None:
-    """Install ``model``'s column groups (and, with ``embeddings``, its vocabulary-parallel tables) for
-    a call with ``args``/``kwargs`` under ``layout`` (default: every parallelize call on ``model``,
-    merged), replacing any found before."""
-    from ..plan.applied import layout_of
-    _uninstall_found(model)
-    layout = layout or layout_of(model)
-    if layout is None:
+def install(root: nn.Module, state: ModelState, graph: Optional[Graph] = None, embeddings: bool = True,
+            find_now: bool = True) -> None:
+    """The rest, after ``enter`` and the constraints: the sites' hooks, ``root``'s last hook, and
+    (``find_now``) its lowering found from ``graph`` (or a trace on a synthesised input), or at its
+    first forward when it cannot be traced without its arguments."""
+    scope.install_sites(root, state, state.sites)
+    scope.install_exit(root, state)
+    if not find_now:
         return
-    modules = dict(model.named_modules())
-    for table, record in vocab_tables(model, layout, tp) if embeddings else ():
-        install_embedding(table, tp, record.mesh, record.spec)
-        heads, (axes, replicas) = tied_heads(model, table), batch_replicas(layout, record.mesh, record.spec)
-        if heads and replicas > 1:
-            install_tie(table, heads, axes, replicas)
-    for members in trace_groups(model, layout, args, kwargs, tp):
-        install_group([modules[fqn] for fqn in members], tp)
+    graph = graph if graph is not None else traced(root)
+    if graph is None:
+        state.pending = True
+    else:
+        find(root, state, graph, embeddings)
 
 
-def _uninstall_found(model: nn.Module) -> None:
-    uninstall_groups(model)
-    uninstall_ties(model)
-    uninstall_embeddings(model)
+def traced(root: nn.Module, args: Optional[tuple] = None, kwargs: Optional[Mapping[str, Any]] = None) -> Optional[Graph]:
+    """A forward of ``root`` on fake tensors (on a synthesised input without ``args``); None if it
+    cannot be traced so."""
+    try:
+        return trace(root, args, kwargs)
+    except PlanError:
+        return None
 
 
-def uninstall(model: nn.Module) -> None:
-    """Take the lowering off ``model`` and its submodules."""
-    scope.uninstall(model)
-    _uninstall_found(model)
+def _at_forward(embeddings: bool):
+    def first(root: nn.Module, state: ModelState, args: tuple, kwargs: dict) -> None:
+        find_at_call(root, state, args, kwargs, embeddings)
+    return first
 
 
-__all__ = ["discover", "install", "packed_sites", "uninstall", "use_flash_attention"]
+def find_at_call(root: nn.Module, state: ModelState, args: tuple, kwargs: dict, embeddings: bool = True) -> None:
+    """A pending lowering, found from a trace on a synthesised input, else of this call (its inputs
+    never reach the model: a cache object is left out, tensors are copied as fakes)."""
+    graph = traced(root) or _traced_call(root, args, kwargs)
+    if graph is not None:
+        find(root, state, graph, embeddings)
+    state.pending = False  # found, or not to be found: the plain program, one reduction per projection
+
+
+def _traced_call(root: nn.Module, args: tuple, kwargs: dict) -> Optional[Graph]:
+    if not all(isinstance(a, _PLAIN) for a in args):
+        return None
+    return traced(root, args, {k: v for k, v in kwargs.items() if isinstance(v, _PLAIN)})
+
+
+def find(root: nn.Module, state: ModelState, graph: Graph, embeddings: bool = True) -> None:
+    """Install ``root``'s column groups (and, with ``embeddings``, its vocabulary-parallel tables and
+    their ties) for the forward ``graph``, under every layout applied to ``root`` merged; what was
+    found before under ``root`` is replaced."""
+    uninstall(root)
+    layout = layout_of(root)
+    tables = vocab_tables(root, layout, state.tp) if embeddings else []
+    for _, table, record in tables:
+        install_embedding(table, state.tp, XlaSharder(record.mesh), record.spec)
+        axes, replicas = batch_replicas(layout, record.mesh, record.spec)
+        if tied_heads(root, table) and replicas > 1:
+            install_tie(table, axes, replicas)
+    modules = dict(root.named_modules())
+    groups = find_groups(root, layout, state.tp, graph)
+    for members in groups:
+        install_group([modules[fqn] for fqn in members], state.tp)
+    state.groups, state.tables, state.pending = [tuple(g) for g in groups], [fqn for fqn, _, _ in tables], False
+
+
+def uninstall(root: nn.Module) -> None:
+    """Take the groups, tables and ties found for ``root`` (or any parallelized module in it) off."""
+    uninstall_groups(root)
+    uninstall_embeddings(root)
+    for _, _, state in states_under(root):
+        state.groups, state.tables = [], []
+
+
+__all__ = ["enter", "find", "find_at_call", "install", "packed_sites", "traced", "uninstall", "use_flash_attention"]

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 
+from ..axes import mesh_axes, spec_entry
 from . import scope
 from .copies import as_kv_heads
 from .packed import packed_blocks
@@ -57,17 +58,20 @@ def flash_eligible(q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.T
 def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Optional[torch.Tensor],
                is_causal: bool, scale: float) -> dict[str, Any]:
     """The keyword arguments xla_tp passes to ``torch_xla...custom_kernel.flash_attention``: q/k/v with
-    the key/value heads repeated, the mask as ``ab`` ([B, H, L, S]) and the global mesh's partition spec
-    (batch over data/fsdp, heads over the model axis)."""
-    import torch_xla.distributed.spmd as xs
+    the key/value heads repeated, the mask as ``ab`` ([B, H, L, S]), and the mesh and partition spec of
+    the parallelized model running (``LOGICAL_AXES``: batch over the batch axes, heads over its
+    tensor-parallel axis)."""
     heads = q.shape[1]
-    mesh = xs.get_global_mesh()
-    names = tuple(mesh.axis_names) if mesh is not None else ()
-    batch = tuple(a for a in ("data", "fsdp") if a in names and dict(zip(names, mesh.mesh_shape))[a] > 1)
-    spec = (batch or None if len(batch) != 1 else batch[0], "model" if "model" in names else None, None, None)
+    state = scope.current()
+    mesh = state.mesh if state is not None else None
+    spec = None
+    if mesh is not None:
+        sizes = dict(zip(mesh.axis_names, (int(s) for s in mesh.mesh_shape)))
+        spec = (spec_entry(mesh_axes("batch", sizes)), spec_entry(mesh_axes("heads", sizes, state.layout.tp_axis)),
+                None, None)
     ab = None if attn_mask is None else attn_mask.to(q.dtype).expand(q.shape[0], heads, q.shape[2], k.shape[2])
     return dict(q=q, k=_repeat_heads(k, heads), v=_repeat_heads(v, heads), causal=is_causal, sm_scale=scale,
-                ab=ab, partition_spec=spec if mesh is not None else None, mesh=mesh)
+                ab=ab, partition_spec=spec, mesh=mesh)
 
 
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,

@@ -7,11 +7,11 @@ vocabulary times the hidden size, where Megatron reduces one device's rows over 
 over nothing without one). ``VocabEmbedding`` writes the weight gradient as a scatter batched over
 the model axis: ``grad[t, id - t * rows] += dy`` for the ids in device ``t``'s rows, indexed by an
 iota over ``t``, into a gradient laid out ``[t, rows, hidden]`` split on ``t`` like the weight's rows,
-which the partitioner then keeps on device ``t``. ``install_embedding`` marks the table's weight;
-``F.embedding`` (wrapped by ``patches``) looks a marked table up this way inside a parallelized
-forward. Example::
+which the partitioner then keeps on device ``t``. ``install_embedding`` marks the table's weight
+(its ``ParamState.vocab``); ``F.embedding`` (``entry.embedding``) looks a marked table up this way
+inside a parallelized forward. Example::
 
-    install_embedding(model.embed_tokens, tp=4, mesh=mesh, spec=("model", None))
+    install_embedding(model.embed_tokens, tp=4, sharder=XlaSharder(mesh), spec=("model", None))
     h = model.embed_tokens(ids)     # same values; its weight gradient is reduced over the data axis only
 """
 from __future__ import annotations
@@ -23,18 +23,16 @@ import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from .. import dynamo
-
-ATTR = "_xla_tp_vocab"  # on a vocabulary-split embedding weight: its VocabSplit
-TIE = "_xla_tp_tie"  # on one that an LM head reads too: its Tie (``tied``)
+from ..backends.annotate import XlaSharder
+from ..state import ensure_param_state, param_state
 
 
 @dataclass(frozen=True)
 class VocabSplit:
-    """The weight's rows split over ``tp`` devices: ``spec`` (rows on the model axis) on ``mesh``."""
+    """The weight's rows split over ``tp`` devices: ``spec`` (rows on the model axis) on the sharder's mesh."""
 
     tp: int
-    mesh: xs.Mesh
+    sharder: XlaSharder
     spec: tuple
 
 
@@ -61,7 +59,6 @@ class VocabEmbedding(torch.autograd.Function):
             return None, None, None, None, grad if ctx.needs_input_grad[4] else None, None
         if not ctx.needs_input_grad[3]:
             return (None,) * 6
-        from ..constraints import annotated_copy
         split, (vocab, width) = ctx.split, ctx.table
         rows = vocab // split.tp
         device = torch.arange(split.tp, device=ids.device).view(split.tp, *[1] * ids.dim())  # an iota over t
@@ -70,7 +67,7 @@ class VocabEmbedding(torch.autograd.Function):
         src = dy.unsqueeze(0) * keep.unsqueeze(-1).to(dy.dtype)
         grad = dy.new_zeros(split.tp, rows, width).index_put((device.expand_as(local), torch.where(keep, local, 0)),
                                                              src, accumulate=True)
-        grad = annotated_copy(grad, split.mesh, (split.spec[0], None, *split.spec[1:]))
+        grad = split.sharder.annotate(grad, (split.spec[0], None, *split.spec[1:]))
         return None, None, None, grad.reshape(vocab, width), None, None
 
 
@@ -87,7 +84,7 @@ def replica_rows(split: VocabSplit, axes: Any, replicas: int, ids: torch.Tensor,
     ids and dy, and its place on the mesh): GSPMD partitions a scatter batched over two dimensions by
     gathering the updates over the first."""
     vocab, width = table
-    tp, rows, mesh = split.tp, vocab // split.tp, split.mesh
+    tp, rows, mesh = split.tp, vocab // split.tp, split.sharder.mesh
 
     def shard(t: torch.Tensor, spec: tuple) -> torch.Tensor:
         return xs.enable_manual_sharding(t, spec, mesh=mesh).global_tensor
@@ -111,10 +108,11 @@ def lookup(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int] =
     anything else: a table ``install_embedding`` did not mark (a tensor swapped in for the call, the
     audit's unsharded program), ids not on an XLA device (the JAX backend differentiates the forward
     itself), max_norm, frequency scaling or sparse gradients."""
-    split = getattr(weight, ATTR, None)
+    ps = param_state(weight)
+    split = ps.vocab if ps is not None else None
     if split is None or ids.device.type != "xla" or max_norm is not None or scale_grad_by_freq or sparse:
         return NotImplemented
-    tie = getattr(weight, TIE, None)
+    tie = ps.tie
     stack = tie.stack(weight, ids) if tie is not None else None
     if stack is not None:
         return VocabEmbedding.apply(split, padding_idx, ids, weight, stack, tie.axes)
@@ -127,14 +125,14 @@ def lowerable(module: nn.Module, tp: int) -> bool:
     return isinstance(module, nn.Embedding) and module.num_embeddings % tp == 0
 
 
-def install_embedding(module: nn.Embedding, tp: int, mesh: xs.Mesh, spec: tuple) -> None:
+def install_embedding(module: nn.Embedding, tp: int, sharder: XlaSharder, spec: tuple) -> None:
     """Mark ``module``'s weight (laid out as ``spec``) as a vocabulary-split table."""
-    dynamo.name(mesh)  # for torch.compile
-    setattr(module.weight, ATTR, VocabSplit(tp, mesh, tuple(spec)))
+    ensure_param_state(module.weight).vocab = VocabSplit(tp, sharder, tuple(spec))
 
 
 def uninstall_embeddings(model: nn.Module) -> None:
-    """Unmark every table of ``model``."""
+    """Unmark every table of ``model`` (and its tie)."""
     for p in model.parameters():
-        vars(p).pop(ATTR, None)
-        vars(p).pop(TIE, None)
+        ps = param_state(p)
+        if ps is not None:
+            ps.vocab = ps.tie = None

@@ -7,10 +7,12 @@ the members' forwards as usual and, in backward, their input gradient as ONE con
 members' split rows laid side by side device-major (each device's rows of q, k and v next to each
 other, so nothing moves): one partial sum, one all-reduce. Weight gradients are per member, as before.
 
-A group is installed by swapping each member's ``forward`` (instance attribute): the first member
-called with some ``x`` computes every member for that ``x``; a member called with the same ``x``
-object gets its cached output; a member called with another ``x`` computes alone (a speculative
-output nobody reads is dead code the compiler drops). Example::
+A group is found by its members' weights: ``F.linear(x, W, b)`` inside a parallelized forward
+(``entry.linear``) with ``W`` a member's weight asks the group, whose first member called with some
+``x`` computes every member for that ``x``; a member called with the same ``x`` object gets its
+cached output; a member called with another ``x`` computes alone (a speculative output nobody reads
+is dead code the compiler drops). Subclasses that add to ``F.linear`` (LoRA) keep their additions.
+Example::
 
     install_group([attn.q_proj, attn.k_proj, attn.v_proj], tp=4)
     q = attn.q_proj(x)        # computes q, k and v
@@ -18,17 +20,14 @@ output nobody reads is dead code the compiler drops). Example::
 """
 from __future__ import annotations
 
-import types
 import weakref
 from typing import Any, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..state import drop_implied_output, ensure_param_state, param_state
 from . import scope
-
-ATTR = "_xla_tp_group"  # on a member module: its ColumnGroup
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -39,7 +38,7 @@ class GroupedLinear(torch.autograd.Function):
         weights, biases = params[0::2], params[1::2]
         ctx.tp, ctx.biased = tp, [b is not None for b in biases]
         ctx.save_for_backward(x, *weights)
-        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+        return tuple(torch._C._nn.linear(x, w, b) for w, b in zip(weights, biases))  # not the lowered F.linear
 
     @staticmethod
     def backward(ctx: Any, *dys: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
@@ -67,14 +66,20 @@ class ColumnGroup:
         self._x: Optional[torch.Tensor] = None
         self._outputs: dict[int, torch.Tensor] = {}
 
-    def output(self, member: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        if self._x is not x:
-            self._compute(x)
-        out = self._outputs.pop(id(member), None)
-        return out if out is not None else F.linear(x, member.weight, member.bias)
-
-    def _compute(self, x: torch.Tensor) -> None:
+    def output(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """The output of the member whose weight (and bias) these are, for ``x``; None when no member
+        has them (a tensor swapped in for the call) or ``x`` is on no device the group computes on."""
+        if x.device.type not in ("xla", "jax"):
+            return None
         mods = [m() for m in self.members]
+        member = next((m for m in mods if m is not None and m.weight is weight and m.bias is bias), None)
+        if member is None or any(m is None for m in mods):
+            return None
+        if self._x is not x:
+            self._compute(x, mods)
+        return self._outputs.pop(id(member), None)
+
+    def _compute(self, x: torch.Tensor, mods: list[nn.Linear]) -> None:
         if x.device.type == "xla":
             outputs = GroupedLinear.apply(self.tp, x, *[t for m in mods for t in (m.weight, m.bias)])
         else:  # torchax: JAX differentiates the forward, so the forward itself is one contraction
@@ -102,34 +107,23 @@ def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
     return tuple(outputs)
 
 
-def _grouped_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    group: ColumnGroup = getattr(self, ATTR)
-    if x.device.type not in ("xla", "jax"):
-        return F.linear(x, self.weight, self.bias)
-    return group.output(self, x)
-
-
 def groupable(module: nn.Module, tp: int) -> bool:
-    """An ``nn.Linear`` with its class's own forward (not a LoRA or quantized subclass) whose output rows
-    ``tp`` divides (the group lays them out device-major)."""
-    return (isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
-            and module.out_features % tp == 0)
+    """An ``nn.Linear`` whose output rows ``tp`` divides (the group lays them out device-major)."""
+    return isinstance(module, nn.Linear) and module.out_features % tp == 0
 
 
 def install_group(members: Sequence[nn.Linear], tp: int) -> ColumnGroup:
-    """Swap each member's ``forward`` for the grouped one; returns the group (idempotent per member)."""
-    from ..constraints import drop_implied_output  # constraints imports this package
+    """Make ``members`` one group (their weights' ``ParamState.group``); returns it."""
     group = ColumnGroup(members, tp)
     for m in members:
-        setattr(m, ATTR, group)
-        m.forward = types.MethodType(_grouped_forward, m)
+        ensure_param_state(m.weight).group = group
         drop_implied_output(m)  # its output stays inside the program: the weights' split says it all
     return group
 
 
 def uninstall_groups(model: nn.Module) -> None:
-    """Give every grouped member of ``model`` its own forward back."""
-    for m in model.modules():
-        if ATTR in vars(m):
-            delattr(m, ATTR)
-            vars(m).pop("forward", None)
+    """Take every parameter of ``model`` out of its group."""
+    for p in model.parameters():
+        ps = param_state(p)
+        if ps is not None:
+            ps.group = None

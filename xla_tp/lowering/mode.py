@@ -2,8 +2,9 @@
 
 A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output, merge
 heads with the batch before a ``bmm`` (``bmm``: kept 4-D) or embed patches (``patchify``: an einsum),
-their ``scope`` sites. A projection whose weight was re-laid device-major (``packed``) has its output
-tagged; the model's own ``split``/``chunk``/slicing of it then gets each block read in place
+their ``scope`` sites; it also reads a copied block's copies (``copies``). A projection whose weight was re-laid device-major (``packed``) has its output
+tagged (by ``entry``'s ``linear``/``addmm``); the model's own ``split``/``chunk``/slicing of it then
+gets each block read in place
 (``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
 output gets the original order back (with one warning naming the op: it moves data). Example::
 
@@ -17,13 +18,12 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
-import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from . import bmm, copies, packed, patchify
 
 _state = threading.local()
-GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see patches' wrapper of it instead
+GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see entry's replacement of it instead
 
 
 def _is_getitem(func: Callable) -> bool:
@@ -44,7 +44,7 @@ class Lowering(TorchFunctionMode):
             return self._on_tagged(func, args, kwargs)
         handler = _HANDLERS.get(GETITEM if _is_getitem(func) else func)
         if handler is not None:
-            out = handler(self, func, args, kwargs)
+            out = handler(*args, **kwargs)
             if out is not NotImplemented:
                 return out
         return func(*args, **kwargs)
@@ -154,25 +154,11 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int]]:
     return out
 
 
-def _projection(mode: Lowering, func, args: tuple, kwargs: dict) -> Any:
-    """Tag the output of a projection whose output features are re-laid in blocks (a row-parallel
-    weight padded on the features it contracts, or one block padded at its end, needs no tag)."""
-    weight = args[1] if func is F.linear else (args[2] if len(args) > 2 else kwargs.get("mat2"))
-    packing = packed.packing_of(weight)
-    out_dim = 0 if func is F.linear else 1
-    if packing is None or packing.dim != out_dim or (len(packing.blocks) == 1 and packing.padded):
-        return NotImplemented
-    # a copied block's copies get the sum of their gradients (weight and bias)
-    args = tuple(copies.summed(a, packed.packing_of(a)) for a in args)
-    kwargs = {k: copies.summed(v, packed.packing_of(v)) for k, v in kwargs.items()}
-    return mode.tag(func(*args, **kwargs), packing)
-
-
-def _plain(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
-    """The handlers of ``tables`` as the mode calls them; where several handle one function, the first
-    that does not return ``NotImplemented``."""
+def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
+    """One handler per function of ``tables``: where several handle it, the first that does not return
+    ``NotImplemented``."""
     def first(handlers: list[Callable]) -> Callable:
-        def handler(mode: Lowering, func: Callable, args: tuple, kwargs: dict) -> Any:
+        def handler(*args: Any, **kwargs: Any) -> Any:
             for h in handlers:
                 out = h(*args, **kwargs)
                 if out is not NotImplemented:
@@ -187,8 +173,7 @@ def _plain(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
     return {func: first(handlers) for func, handlers in funcs.items()}
 
 
-_HANDLERS: dict[Callable, Callable] = {F.linear: _projection, torch.addmm: _projection,
-                                       **_plain(copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS)}
+_HANDLERS = _first(copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _KEEPS_LAST = {torch.Tensor.unsqueeze, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,

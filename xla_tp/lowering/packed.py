@@ -3,7 +3,8 @@
 A packed weight split evenly over ``tp`` devices gives device 0 the first rows of q only. Re-laid
 (``relayout``), its rows are permuted *device-major*: device ``d``'s contiguous shard holds its slice
 of every block (``[q_d | k_d | v_d]``). The shape is unchanged, so the layout validates like any
-other; ``state_dict()``/``load_state_dict()`` see the original order (hooks on the owning module).
+other; ``state_dict()``/``load_state_dict()`` see the original order (hooks on the owning module,
+whose handles ``relayout`` returns; ``unrelayout`` puts the original order back).
 During the forward, xla_tp's lowering mode tags the projection's output (``tag``) and hands the
 model's own slicing (``qkv[..., :E]``, ``split``, ``chunk``) the block it asked for, read from the
 device-major layout without moving data (``block``); any other use gets the original order back
@@ -11,88 +12,26 @@ device-major layout without moving data (``block``); any other use gets the orig
 
 >>> lin = nn.Linear(1, 12, bias=False)
 >>> original = lin.weight.detach().clone()
->>> relayout(lin, "weight", Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2))
+>>> handles = relayout(lin, "weight", Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2))
 >>> lin.weight[:, 0].tolist() == original[[0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11], 0].tolist()  # [q0 k0 v0 | q1 k1 v1]
 True
 >>> torch.equal(lin.state_dict()["weight"], original)
 True
+>>> unrelayout(lin, "weight", handles); torch.equal(lin.weight, original)
+True
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
+from ..plan.packing import Packing
+from ..state import ensure_param_state, param_state
 from .copies import copied_block
 
-ATTR = "_xla_tp_packing"  # on a re-laid parameter: its Packing (what the lowering mode reads)
-_OWNED = "_xla_tp_packings"  # on the owning module: parameter name -> Packing (what its state-dict hooks
-# read, so a tensor swapped in for the parameter, an optimizer state, is re-laid the same way)
 _TAG = "_xla_tp_packed_output"  # on a re-laid projection's output during a forward: its Packing
-
-
-@dataclass(frozen=True)
-class Packing:
-    """Blocks ``(start, size)`` along weight dim ``dim``, laid out device-major for ``tp`` devices.
-
-    ``padded``: each block's size once zero features (whole zero heads) are appended to it, so that
-    ``tp`` divides it; empty when nothing is padded. A padded parameter grows along ``dim``.
-    ``whole``: blocks every device holds a copy of, not a part (the one key/value head of multi-query
-    attention packed with the query heads); the parameter grows by the copies.
-    """
-
-    dim: int
-    blocks: tuple[tuple[int, int], ...]
-    tp: int
-    padded: tuple[int, ...] = ()
-    whole: frozenset[int] = frozenset()
-
-    @property
-    def size(self) -> int:
-        """Features along ``dim`` in the original layout."""
-        return sum(n for _, n in self.blocks)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """Each block's size as laid out over all devices (padded, or copied: ``tp`` copies)."""
-        sizes = self.padded or tuple(n for _, n in self.blocks)
-        return tuple(n * self.tp if i in self.whole else n for i, n in enumerate(sizes))
-
-    @property
-    def laid_size(self) -> int:
-        """Features along ``dim`` as laid out."""
-        return sum(self.sizes)
-
-    def order(self) -> torch.Tensor:
-        """Original index of each re-laid position (-1: a zero feature of the padding).
-
-        >>> Packing(0, ((0, 4), (4, 4)), 2).order().tolist()
-        [0, 1, 4, 5, 2, 3, 6, 7]
-        >>> Packing(0, ((0, 3),), 2, padded=(4,)).order().tolist()
-        [0, 1, 2, -1]
-        >>> Packing(0, ((0, 4), (4, 1)), 2, whole=frozenset({1})).order().tolist()   # q split, k copied
-        [0, 1, 4, 2, 3, 4]
-        """
-        idx = []
-        for d in range(self.tp):
-            for i, ((start, n), m) in enumerate(zip(self.blocks, self.sizes)):
-                share = m // self.tp
-                first = 0 if i in self.whole else d * share
-                idx += [start + first + j if first + j < n else -1 for j in range(share)]
-        return torch.tensor(idx, dtype=torch.long)
-
-    def inverse(self) -> torch.Tensor:
-        """Re-laid position of each original index (of a copied block: device 0's copy)."""
-        first: dict[int, int] = {}
-        for pos, original in enumerate(self.order().tolist()):
-            if original >= 0:
-                first.setdefault(original, pos)
-        return torch.tensor([first[i] for i in range(self.size)], dtype=torch.long)
-
-    def for_bias(self) -> "Packing":
-        return Packing(0, self.blocks, self.tp, self.padded, self.whole)
 
 
 def permute(t: torch.Tensor, packing: Packing) -> torch.Tensor:
@@ -110,38 +49,51 @@ def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
     return t.index_select(packing.dim, packing.inverse().to(t.device))
 
 
-def relayout(owner: nn.Module, name: str, packing: Packing) -> None:
-    """Permute ``owner.<name>`` device-major in place (same Parameter object); idempotent."""
+def relayout(owner: nn.Module, name: str, packing: Packing) -> list[Any]:
+    """Permute ``owner.<name>`` (in its original order) device-major in place, same Parameter object;
+    the handles of the state-dict hooks that show and take the original order."""
     p = owner._parameters[name]
-    owned: dict[str, Packing] = owner.__dict__.get(_OWNED, {})
-    old = owned.get(name)
-    if old == packing:
-        return
+    ps = ensure_param_state(p)
+    if ps.packing is not None:
+        raise ValueError(f"{name!r} is re-laid already; unrelayout it first")
     with torch.no_grad():
-        data = p.data if old is None else restore(p.data, old)
-        p.data = data if p.is_meta else permute(data, packing)
-    setattr(p, ATTR, packing)
-    if not owned:
-        owner.register_state_dict_post_hook(_save_original)
-        owner.register_load_state_dict_pre_hook(_load_relaid)
-    owner.__dict__[_OWNED] = {**owned, name: packing}
+        p.data = p.data if p.is_meta else permute(p.data, packing)
+    ps.packing = packing
+    return [owner.register_state_dict_post_hook(_save_original(name, packing)),
+            owner.register_load_state_dict_pre_hook(_load_relaid(name, packing))]
 
 
-def _save_original(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+def unrelayout(owner: nn.Module, name: str, handles: list[Any]) -> None:
+    """Put ``owner.<name>`` back in its original order and remove its state-dict hooks."""
+    p = owner._parameters[name]
+    ps = param_state(p)
+    if ps is not None and ps.packing is not None:
+        with torch.no_grad():
+            p.data = p.data if p.is_meta else restore(p.data, ps.packing)
+        ps.packing = None
+    for handle in handles:
+        handle.remove()
+
+
+def _save_original(name: str, packing: Packing) -> Any:
+    def hook(owner: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
         if prefix + name in state_dict:
             state_dict[prefix + name] = restore(state_dict[prefix + name], packing)
+    return hook
 
 
-def _load_relaid(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-    for name, packing in owner.__dict__.get(_OWNED, {}).items():
+def _load_relaid(name: str, packing: Packing) -> Any:
+    """The pre-hook that re-lays a loaded tensor of the parameter's shape (a state dict, or an
+    optimizer state swapped in for the parameter: ``checkpoint.layout.swapped``)."""
+    def hook(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         key, p = prefix + name, owner._parameters.get(name)
         if key in state_dict and p is not None and original_shape(p) == state_dict[key].shape:
             state_dict[key] = permute(state_dict[key], packing)
+    return hook
 
 
 def original_shape(p: torch.Tensor) -> torch.Size:
-    """The shape ``p`` has in the model as written (a padded re-laid weight is larger)."""
+    """The shape ``p`` has in the model as written (a padded or copied re-laid weight is larger)."""
     packing = packing_of(p)
     if packing is None:
         return p.shape
@@ -149,7 +101,8 @@ def original_shape(p: torch.Tensor) -> torch.Size:
 
 
 def packing_of(t: Any) -> Optional[Packing]:
-    return getattr(t, ATTR, None) if isinstance(t, torch.Tensor) else None
+    """The packing ``t`` (a parameter, or a tensor given its ``ParamState``) was re-laid with, else None."""
+    return getattr(param_state(t), "packing", None)
 
 
 def tag(y: torch.Tensor, packing: Packing) -> torch.Tensor:

@@ -14,33 +14,12 @@ True
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..dataflow.regions import Projection
-
-
-def non_overlapping(kernel: Sequence[int], stride: Any, padding: Any, dilation: Any, groups: Any) -> bool:
-    """A convolution over patches: stride = kernel, no padding or dilation, one group."""
-    n = len(kernel)
-
-    def each(v: Any) -> tuple:
-        return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
-
-    return (groups == 1 and each(stride) == tuple(kernel) and padding in (0, "valid", (0,) * n, [0] * n)
-            and each(dilation) == (1,) * n and all(k > 1 for k in kernel))
-
-
-def patches(p: Projection) -> bool:
-    """Whether a traced projection is a patch embedding (see the module docstring)."""
-    node = p.node
-    if node.op not in ("conv1d", "conv2d", "conv3d"):
-        return False
-    kernel = p.weight.shape[2:]
-    return non_overlapping(kernel, node.arg(3, "stride", 1), node.arg(4, "padding", 0), node.arg(5, "dilation", 1),
-                           node.arg(6, "groups", 1))
+from ..dataflow.patches import non_overlapping
 
 
 def conv_as_einsum(input: torch.Tensor, weight: torch.Tensor, bias: Any = None, stride: Any = 1, padding: Any = 0,

@@ -1,34 +1,39 @@
-"""Where the lowering runs: hooks on a parallelized module and on its lowering sites.
+"""Where the lowering acts: inside a parallelized model's forward, and in the backward of one.
 
-``install(root, sites)`` puts two kinds of forward hooks on a model (pre-hooks prepended, post-hooks
-always called, so an exception never leaves anything entered):
-
-- on ``root``: tracks the outermost parallelized forward of this thread; when it ends, the
-  per-forward state (tagged packed outputs, cached group outputs) is dropped;
-- on each site (a module whose forward slices a re-laid packed projection): the packed-output
-  mode is entered while it runs. The mode costs a Python call on every torch op it sees, so it
-  sees only the sites' ops.
+``install_root(root, state, first)`` puts two hooks on a parallelized module: the pre-hook before any
+other hook xla_tp adds to it, the post-hook after (``install_exit``), always called, so an exception
+never leaves anything entered. (Not ``prepend=True``: dynamo's guards on a prepended hook's closure
+name it by the dict's insertion order, and fail to build.) They track the
+outermost parallelized forward of this thread: it runs outside ``torch.inference_mode`` (``inference``);
+when it ends, the per-forward state (tagged packed outputs, cached group outputs) is dropped, and its
+outputs' autograd nodes mark the backward that reaches them, so the lowering acts in that backward too (activation checkpointing recomputes a
+block's forward there, outside any root's hooks, and must record what the original forward
+recorded). ``first(root, args, kwargs)`` runs at a forward of ``root`` while its lowering is pending.
+``install_sites`` enters the packed-output mode around the modules that slice a re-laid packed
+projection (the mode costs a Python call on every torch op it sees, so it sees only theirs).
 
 ``depth()`` says whether this thread is inside a parallelized forward; ``lowering()`` whether the
-attention wrappers of ``patches`` act (there, and in a backward pass: recomputed checkpointed
-blocks). Example::
+rewrites of ``entry`` act now. Example::
 
-    install(model, {"transformer.h.0.attn", "transformer.h.1.attn"})
+    install_root(model, state, first=None)
     depth()          # 0 outside any parallelized forward
 """
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
+from ..inference import leave_inference, return_to_inference
+from ..state import ModelState
 from .mode import active
 
-_ROOT, _SITE = "_xla_tp_scope_root", "_xla_tp_scope_site"  # on a hooked module: its hook handles
-_FIRST = "_xla_tp_first_forward"  # on a root: what to do at its first outermost forward, until it is done
 _state = threading.local()
+_backward_tasks: dict[int, ModelState] = {}  # autograd graph task -> the parallelized model whose backward it runs
+_suspended = [0]  # > 0: the lowering is off everywhere (``suspended``)
 
 
 def _get(name: str, default: Any) -> Any:
@@ -42,11 +47,45 @@ def depth() -> int:
     return _get("depth", 0)
 
 
+def inside() -> bool:
+    """Whether the code running now belongs to a parallelized model: its forward, or a backward that
+    goes through it (its checkpointed blocks are recomputed there)."""
+    if depth() > 0:
+        return True
+    if torch.compiler.is_compiling():  # a compiled backward is traced with its forward, never re-run here
+        return False
+    task = torch._C._current_graph_task_id()
+    return task != -1 and task in _backward_tasks
+
+
 def lowering() -> bool:
-    """Whether the forward running now is lowered: inside a parallelized forward, or in a backward
-    pass (activation checkpointing recomputes a block's forward there, outside any root's hooks,
-    and must record what the original forward recorded)."""
-    return depth() > 0 or torch._C._current_graph_task_id() != -1
+    """Whether the code running now is lowered: ``inside()``, unless ``suspended``."""
+    return not _suspended[0] and inside()
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """The lowering off, in every thread, for the block (a reference run of the plain computation: its
+    backward, a checkpointed block's recomputation included, runs on autograd's own threads)."""
+    _suspended[0] += 1
+    try:
+        yield
+    finally:
+        _suspended[0] -= 1
+
+
+def current() -> Optional[ModelState]:
+    """The state of the outermost parallelized model running now (forward or backward), if any."""
+    if depth() > 0:
+        return _get("current", None)
+    if torch.compiler.is_compiling():
+        return None
+    return _backward_tasks.get(torch._C._current_graph_task_id())
+
+
+def in_site() -> bool:
+    """Whether the packed-output mode is entered (inside a module that slices a packed projection)."""
+    return _get("sites", 0) > 0
 
 
 def on_exit(callback: Callable[[], None]) -> None:
@@ -54,25 +93,64 @@ def on_exit(callback: Callable[[], None]) -> None:
     _get("exits", []).append(callback)
 
 
-def _enter_root(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    _state.depth = depth() + 1
-    if _state.depth == 1 and _FIRST in vars(module):
-        _first(module, args, kwargs)
+def _enter_backward(state: ModelState) -> Callable[[Any], None]:
+    def prehook(grad_outputs: Any) -> None:
+        task = torch._C._current_graph_task_id()
+        if task != -1 and task not in _backward_tasks:
+            _backward_tasks[task] = state
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _backward_tasks.pop(task, None))
+    return prehook
+
+
+def _mark_backward(output: Any, prehook: Callable[[Any], None]) -> None:
+    """Hook the autograd nodes of ``output``'s tensors: the backward that reaches them is lowered."""
+    if isinstance(output, torch.Tensor):
+        if output.grad_fn is not None:
+            output.grad_fn.register_prehook(prehook)
+    elif isinstance(output, Mapping):
+        for value in output.values():
+            _mark_backward(value, prehook)
+    elif isinstance(output, (tuple, list)):
+        for value in output:
+            _mark_backward(value, prehook)
+
+
+def install_root(root: nn.Module, state: ModelState,
+                 first: Optional[Callable[[nn.Module, ModelState, tuple, dict], None]]) -> None:
+    """The pre-hook of ``root`` (see the module docstring): call it before xla_tp adds any other hook
+    to ``root``, and ``install_exit`` after. The handles go to ``state``."""
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        _state.depth = depth() + 1
+        if _state.depth == 1:
+            _state.current, _state.inference = state, leave_inference()
+            if state.pending and first is not None:
+                _first(first, module, state, args, kwargs)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> Any:
+        _state.depth = depth() - 1
+        if _state.depth != 0:
+            return None
+        callbacks, _state.exits, _state.current = _get("exits", []), [], None
+        for callback in callbacks:
+            callback()
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            _mark_backward(output, _enter_backward(state))
+        context, _state.inference = _get("inference", None), None
+        return return_to_inference(context, output)
+
+    state.handles.append(root.register_forward_pre_hook(enter, with_kwargs=True))
+    state.exit_hook = leave
+
+
+def install_exit(root: nn.Module, state: ModelState) -> None:
+    """The post-hook of ``root``, after every other hook xla_tp added to it (it runs last: it hands the
+    outputs back to inference mode)."""
+    state.handles.append(root.register_forward_hook(state.exit_hook, always_call=True))
 
 
 @torch.compiler.disable  # under torch.compile: run as is, between two compiled graphs (the first step only)
-def _first(module: nn.Module, args: tuple, kwargs: dict) -> None:
-    first = vars(module).get(_FIRST)
-    if first is not None and first(module, args, kwargs):
-        vars(module).pop(_FIRST, None)
-
-
-def _leave_root(module: nn.Module, args: Any, output: Any) -> None:
-    _state.depth = depth() - 1
-    if _state.depth == 0:
-        callbacks, _state.exits = _get("exits", []), []
-        for callback in callbacks:
-            callback()
+def _first(first: Callable, module: nn.Module, state: ModelState, args: tuple, kwargs: dict) -> None:
+    first(module, state, args, kwargs)
 
 
 def _enter_site(module: nn.Module, args: Any) -> None:
@@ -89,28 +167,9 @@ def _leave_site(module: nn.Module, args: Any, output: Any) -> None:
         mode.__exit__(None, None, None)
 
 
-def _hook(module: nn.Module, attr: str, enter: Callable, leave: Callable, kwargs: bool = False) -> None:
-    if getattr(module, attr, None):
-        return
-    setattr(module, attr, [module.register_forward_pre_hook(enter, prepend=True, with_kwargs=kwargs),
-                           module.register_forward_hook(leave, always_call=True)])
-
-
-def install(root: nn.Module, sites: set[str], first: Optional[Callable[[nn.Module, tuple, dict], None]] = None) -> None:
-    """Hook ``root`` and its sites (see the module docstring); idempotent. ``first(root, args, kwargs)``
-    runs when ``root`` next starts an outermost parallelized forward (before its body runs), and on each
-    later one until it returns True (done)."""
-    _hook(root, _ROOT, _enter_root, _leave_root, kwargs=True)
-    if first is not None:
-        vars(root)[_FIRST] = first
+def install_sites(root: nn.Module, state: ModelState, sites: set[str]) -> None:
+    """Enter the packed-output mode around each of ``sites`` (module FQNs under ``root``)."""
     for fqn in sorted(sites):
-        _hook(root.get_submodule(fqn) if fqn else root, _SITE, _enter_site, _leave_site)
-
-
-def uninstall(module: nn.Module) -> None:
-    """Remove the hooks ``install`` put on ``module`` and its submodules."""
-    for mod in module.modules():
-        vars(mod).pop(_FIRST, None)
-        for attr in (_ROOT, _SITE):
-            for handle in vars(mod).pop(attr, None) or []:
-                handle.remove()
+        module = root.get_submodule(fqn) if fqn else root
+        state.handles += [module.register_forward_pre_hook(_enter_site),
+                          module.register_forward_hook(_leave_site, always_call=True)]

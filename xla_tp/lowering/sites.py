@@ -4,11 +4,10 @@
   the parents of re-laid projections. The packed-output mode runs only inside them (``scope``).
 - **groups**: ``nn.Linear``s split on their output rows (column-parallel in the layout, rows
   divisible by the model axis) that read the same activation in a traced forward: q, k and v; gate
-  and up. Each group gets one fused input gradient (``groups``). ``find_groups`` runs at the first
-  forward of the outermost parallelized module, traced on fake copies of the real arguments, with
-  the layout of every ``parallelize`` call on it merged (``layout_of``): the torch idiom of one
-  call for the root and one per block gets the same groups as one call. A forward that cannot be
-  traced gets no groups (the plain program: one reduction per projection).
+  and up. Each group gets one fused input gradient (``groups``). ``find_groups`` reads a forward of
+  the outermost parallelized module traced on fake tensors (the planner's, or one on a synthesised
+  input), with the layout of every ``parallelize`` call on it merged (``layout_of``): the torch idiom
+  of one call for the root and one per block gets the same groups as one call.
 - **tables**: ``nn.Embedding``s split on their vocabulary over the model axis (``embedding``), and the
   batch replicas a tied one's weight is read on (``batch_replicas``, ``tied``). Example::
 
@@ -25,10 +24,11 @@ from torch import nn
 
 from ..dataflow.graph import Graph
 from ..dataflow.regions import projections
+from ..guard import ParamSharding, record_of
 from ..plan.layout import Layout, spec_axes
 from .embedding import lowerable
 from .groups import groupable
-from .packed import ATTR, packing_of
+from .packed import packing_of
 
 
 def packed_sites(model: nn.Module, slicers: frozenset[str] = frozenset()) -> set[str]:
@@ -51,13 +51,11 @@ def find_groups(model: nn.Module, layout: Layout, tp: int, graph: Graph) -> list
     return [g for g in by_input.values() if len(g) > 1]
 
 
-def vocab_tables(model: nn.Module, layout: Layout, tp: int) -> list[tuple[nn.Embedding, Any]]:
+def vocab_tables(model: nn.Module, layout: Layout, tp: int) -> list[tuple[str, nn.Embedding, ParamSharding]]:
     """The ``nn.Embedding``s of ``model`` split on their rows (the vocabulary) over the model axis,
-    each with its weight's sharding record (mesh and spec)."""
-    from ..guard import SHARDING_ATTR
-    return [(m, record) for fqn, m in model.named_modules()
-            if lowerable(m, tp) and _rows_split(layout, fqn)
-            and (record := getattr(m.weight, SHARDING_ATTR, None)) is not None]
+    each with its FQN and its weight's sharding record (mesh and spec)."""
+    return [(fqn, m, record) for fqn, m in model.named_modules()
+            if lowerable(m, tp) and _rows_split(layout, fqn) and (record := record_of(m.weight)) is not None]
 
 
 def batch_replicas(layout: Layout, mesh: Any, spec: tuple) -> tuple[Any, int]:
@@ -77,24 +75,3 @@ def _rows_split(layout: Layout, fqn: str) -> bool:
     spec = layout.params.get(f"{fqn}.weight" if fqn else "weight")
     return (spec is not None and spec_axes(spec[0]) == (layout.tp_axis,)
             and all(layout.tp_axis not in spec_axes(a) for a in spec[1:]))
-
-
-def trace_groups(model: nn.Module, layout: Layout, args: tuple, kwargs: dict[str, Any], tp: int) -> list[list[str]]:
-    """``find_groups`` for ``model`` called with ``args``/``kwargs``; [] when the forward cannot be
-    traced on fake tensors."""
-    from ..dataflow.inputs import plannable
-    from ..dataflow.trace import trace
-    from ..errors import PlanError
-    from .mode import Lowering
-    params = dict(model.named_parameters())
-
-    def relaid(name: str, fake: Any) -> Any:  # the fake weight re-laid like the real one (zero heads, copies)
-        packing = packing_of(params.get(name))
-        if packing is not None:
-            setattr(fake, ATTR, packing)
-        return fake
-    try:  # the caller's objects (a KV cache) are left as they were; re-laid weights read through the mode
-        graph = trace(model, *plannable(args, kwargs), swap=relaid, modes=(Lowering(),))
-    except PlanError:
-        return []
-    return find_groups(model, layout, tp, graph)

@@ -8,23 +8,22 @@ over the ``r`` batch replicas, ``[r, vocab, hidden]``, split over the batch axes
 dimension. The head contracts each replica's tokens with its own copy, and the embedding's gradient
 is scattered per replica (``embedding.VocabEmbedding``). Neither gradient contracts over the replicas,
 so neither is reduced. Autograd adds the two before the stack's backward sums over ``r``: one
-reduction. The stack is made once per outermost forward. Example::
+reduction. The stack is made once per outermost forward. The head's ``F.linear`` on the table's
+weight reads it (``entry.linear``). Example::
 
-    install_tie(model.wte, [model.lm_head], axes=("data",), replicas=2)
+    install_tie(model.wte, axes=("data",), replicas=2)
     loss = F.cross_entropy(model.lm_head(model.wte(ids)).flatten(0, 1), labels.flatten())
     loss.backward()   # wte.weight.grad: one all-reduce over the data axis
 """
 from __future__ import annotations
 
-import types
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from ..state import ensure_param_state, param_state
 from . import scope
-from .embedding import ATTR, TIE
 
 
 class Tie:
@@ -45,10 +44,8 @@ class Tie:
             return None
         if self._weight is weight and self._stack is not None:
             return self._stack
-        from ..constraints import annotated_copy  # constraints imports this package
-        split = getattr(weight, ATTR)
-        stack = annotated_copy(weight.unsqueeze(0).expand(self.replicas, *weight.shape), split.mesh,
-                               (self.axes, *split.spec))
+        split = param_state(weight).vocab
+        stack = split.sharder.annotate(weight.unsqueeze(0).expand(self.replicas, *weight.shape), (self.axes, *split.spec))
         if scope.depth() > 0:  # not in a backward's recomputation: nothing would clear it
             self._weight, self._stack = weight, stack
             scope.on_exit(self.clear)
@@ -59,33 +56,25 @@ class Tie:
         self._weight, self._stack = None, None
 
 
-def _tied_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    tie: Optional[Tie] = getattr(self.weight, TIE, None)
-    stack = tie.stack(self.weight, x) if tie is not None and x.device.type == "xla" else None
+def head(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The LM head ``F.linear(x, weight, bias)`` of a tied table, read from its stack; None to compute
+    it plainly (no tie, or ``Tie.stack`` declines)."""
+    tie: Optional[Tie] = getattr(param_state(weight), "tie", None)
+    stack = tie.stack(weight, x) if tie is not None and x.device.type == "xla" else None
     if stack is None:
-        return F.linear(x, self.weight, self.bias)
+        return None
     y = torch.einsum("r...h,rvh->r...v", x.unflatten(0, (tie.replicas, -1)), stack).flatten(0, 1)
-    return y if self.bias is None else y + self.bias
+    return y if bias is None else y + bias
 
 
-def install_tie(table: nn.Embedding, heads: Sequence[nn.Linear], axes: Any, replicas: int) -> Tie:
-    """Make ``table`` (vocabulary-split, ``install_embedding``) and ``heads`` (``nn.Linear``s reading its
-    weight) read one stack over ``replicas`` batch replicas on the mesh ``axes``."""
+def install_tie(table: nn.Embedding, axes: Any, replicas: int) -> Tie:
+    """Make ``table`` (vocabulary-split, ``install_embedding``) and the heads reading its weight read one
+    stack over ``replicas`` batch replicas on the mesh ``axes``."""
     tie = Tie(axes, replicas)
-    setattr(table.weight, TIE, tie)
-    for head in heads:
-        head.forward = types.MethodType(_tied_forward, head)
+    ensure_param_state(table.weight).tie = tie
     return tie
 
 
 def tied_heads(model: nn.Module, table: nn.Embedding) -> list[nn.Linear]:
-    """The ``nn.Linear``s of ``model`` (their class's own forward) whose weight is ``table``'s."""
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
-            and m.weight is table.weight]
-
-
-def uninstall_ties(model: nn.Module) -> None:
-    """Give every tied head of ``model`` its own forward back (the weights' marks go with the tables')."""
-    for m in model.modules():
-        if isinstance(m, nn.Linear) and getattr(vars(m).get("forward"), "__func__", None) is _tied_forward:
-            del m.forward
+    """The ``nn.Linear``s of ``model`` whose weight is ``table``'s."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight is table.weight]

@@ -16,11 +16,11 @@ from typing import Any, Mapping
 
 from torch import nn
 
-from ..mesh import canonical_axis, to_xs_mesh
-from ..report import ParamRow, format_table, local_shape
+from ..axes import canonical_axis, sizes_of
 from .layout import spec_axes
-from .subaxis import axis_size
 from .normalize import build_layout
+from .subaxis import axis_size
+from .table import ParamRow, format_table, local_shape
 from .unplanned import unplanned_parameters
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$|[ ,)'])")
@@ -57,10 +57,10 @@ def _choices(plan: Mapping, tp: int) -> list[str]:
     return out + (["attention computed whole:", *whole] if whole else [])
 
 
-def explain(model: nn.Module, plan: Mapping, mesh: Any = None, tp_axis: str = "model") -> str:
-    """The roles, the replicated parameters with reasons, the grouped sharding table and totals."""
-    xmesh = to_xs_mesh(mesh)
-    axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+def explain(model: nn.Module, plan: Mapping, mesh: Any, tp_axis: str = "model") -> str:
+    """The roles, the replicated parameters with reasons, the grouped sharding table and totals, on
+    ``mesh`` (a mesh or axis sizes)."""
+    axes = sizes_of(mesh)
     tp_axis = canonical_axis(tp_axis)
     layout = build_layout(model, plan, axes, tp_axis, strict=False)
     roles = getattr(plan, "roles", None)
@@ -78,7 +78,7 @@ def explain(model: nn.Module, plan: Mapping, mesh: Any = None, tp_axis: str = "m
     rows, padding = [], 0
     for pattern, members in groups.items():
         p, spec = members[0]
-        loc = local_shape(tuple(p.shape), spec, xmesh)
+        loc = local_shape(tuple(p.shape), spec, axes)
         per_device = math.prod(loc) * p.element_size() * len(members)
         ways = math.prod(axis_size(axes, a) for entry in spec for a in spec_axes(entry))
         padding += (math.prod(loc) * ways - p.numel()) * p.element_size() * len(members)

@@ -16,15 +16,13 @@ from typing import Any, Mapping
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from ..axes import batch_axes, param_shard_axis
 from ..errors import PlanError
 from .layout import Layout, ModuleLayout, Spec, uses_axis
 from .match import match_keys, suggest
 from .styles import Style
 from .hf import lower_hf_style
 from .torch_styles import lower_torch_style
-
-BATCH_AXES = ("data", "fsdp")
-FSDP_AXIS = "fsdp"
 
 PlanInput = Mapping[str, Any]
 
@@ -44,8 +42,7 @@ def build_layout(module: nn.Module, plan: PlanInput | ParallelStyle, mesh_axes: 
     matches, unused = match_keys(list(plan), list(modules))
     param_matches, unused = match_keys(unused, params)
     _report_unused(unused, list(modules) + params, strict)
-    batch_axes = tuple(a for a in BATCH_AXES if mesh_axes.get(a, 1) > 1)
-    layout = Layout(tp_axis=tp_axis, batch_axes=batch_axes)
+    layout = Layout(tp_axis=tp_axis, batch_axes=batch_axes(mesh_axes))
     for fqn, key in matches.items():
         layout.modules[fqn] = lower_style(plan[key], fqn, modules[fqn], key, tp_axis)
     for pfqn, key in param_matches.items():
@@ -56,8 +53,9 @@ def build_layout(module: nn.Module, plan: PlanInput | ParallelStyle, mesh_axes: 
         else:
             layout.modules[owner] = one
     layout.params = _param_specs(module, layout.modules)
-    if mesh_axes.get(FSDP_AXIS, 1) > 1:
-        _add_fsdp(module, layout.params, mesh_axes[FSDP_AXIS])
+    fsdp = param_shard_axis(mesh_axes)
+    if fsdp is not None:
+        _add_fsdp(module, layout.params, fsdp, mesh_axes[fsdp])
     return layout
 
 
@@ -118,14 +116,14 @@ def _param_specs(module: nn.Module, layouts: Mapping[str, ModuleLayout]) -> dict
     return specs
 
 
-def _add_fsdp(module: nn.Module, specs: dict[str, Spec], fsdp_size: int) -> None:
-    """Shard every parameter's first free dimension that divides over the ``fsdp`` axis."""
+def _add_fsdp(module: nn.Module, specs: dict[str, Spec], axis: str, size: int) -> None:
+    """Shard every parameter's first free dimension that ``size`` divides over the fsdp ``axis``."""
     for name, p in module.named_parameters():
         spec = list(specs.get(name, (None,) * p.dim()))
-        if uses_axis(spec, FSDP_AXIS):
+        if uses_axis(spec, axis):
             continue  # the plan placed the fsdp axis itself
-        for d, size in enumerate(p.shape):
-            if spec[d] is None and size % fsdp_size == 0:
-                spec[d] = FSDP_AXIS
+        for d, n in enumerate(p.shape):
+            if spec[d] is None and n % size == 0:
+                spec[d] = axis
                 break
         specs[name] = tuple(spec)

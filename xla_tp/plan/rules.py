@@ -32,8 +32,8 @@ from typing import Any, Mapping, Optional, Sequence, Union
 import yaml
 from torch import nn
 
+from ..axes import canonical_axis
 from ..errors import PlanError
-from ..mesh import canonical_axis
 from .layout import Axis, ModuleLayout, Spec
 from .styles import ShardParams, Style
 

@@ -23,10 +23,9 @@ from typing import Mapping, Optional
 from torch import nn
 from torch.distributed.tensor.placement_types import Placement
 
+from ..axes import TP
 from ..errors import PlanError
 from .layout import Chain, ModuleLayout
-
-TP = "tp"
 
 
 class Style(ABC):

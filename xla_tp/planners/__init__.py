@@ -4,7 +4,7 @@ One forward is traced on fake tensors (``xla_tp.dataflow``); each weight's role 
 its tensors do (``roles``): column-parallel when its output features feed attention or an
 element-wise chain into another projection, row-parallel when it contracts them back, vocab-parallel
 for embeddings looked up with the input ids and output heads. Logical axes go to mesh axes through
-one table (``logical.LOGICAL_AXES``). Nothing is decided by module names. Example:
+one table (``xla_tp.axes.LOGICAL_AXES``). Nothing is decided by module names. Example:
 
 >>> import xla_tp
 >>> from transformers import LlamaConfig, LlamaForCausalLM
@@ -19,29 +19,26 @@ True
 from __future__ import annotations
 
 import warnings
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from torch import nn
 
+from ..axes import canonical_axis, sizes_of
 from ..dataflow.trace import trace
 from ..errors import PlanError
-from ..mesh import canonical_axis, to_xs_mesh
-from .plan import Plan, build_plan
 from .alternatives import Pick
-from .padding import padding_problem
+from .plan import Plan, build_plan
 from .roles import decide
+
+PaddingCheck = Callable[..., str]  # why the model cannot run padded ("" if it can): ``lowering.padding``
 
 __all__ = ["Plan", "plan_for"]
 
 
 def axis_size(mesh: Any, tp_axis: str) -> int:
-    """Size of ``tp_axis`` in ``mesh``: any mesh ``parallelize_xla`` accepts, or axis sizes
+    """Size of ``tp_axis`` in ``mesh``: a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes
     (``{"data": 2, "model": 4}``, which need no XLA runtime)."""
-    if isinstance(mesh, Mapping):
-        sizes = {canonical_axis(str(k)): int(v) for k, v in mesh.items()}
-    else:
-        xmesh = to_xs_mesh(mesh)
-        sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    sizes = sizes_of(mesh)
     axis = canonical_axis(tp_axis)
     if axis not in sizes:
         raise PlanError(f"tp_axis {tp_axis!r} is not an axis of the mesh (axes: {list(sizes)})")
@@ -51,16 +48,19 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
              example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
-             pick: Optional[Pick] = None) -> Plan:
+             pick: Optional[Pick] = None, check: Optional[PaddingCheck] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
-    ``mesh`` is any mesh ``parallelize_xla`` accepts, or axis sizes such as ``{"model": 4}``. Without
+    ``mesh`` is a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes such as ``{"model": 4}`` (``xla_tp.plan_for``
+    also takes None: the global mesh of ``make_mesh``). Without
     ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
     floats of its first layer's width otherwise). A block that cannot be split the optimal way takes
     the cheapest valid alternative (``plan.choices``); attention nothing splits is computed whole
     (``plan.whole_attention``); a weight whose role cannot be determined stays replicated, its reason
     in ``plan.replicated``. ``strict=True`` accepts only the optimum: any of these is a ``PlanError``.
     ``pick(choice)`` may take another of a block's alternatives than the cheapest (``choice.alternatives``).
+    ``check(model, packings, graph, example_inputs, example_kwargs)`` says why the model cannot run with
+    zero heads added (``lowering.padding``; ``xla_tp.plan_for`` passes it): without it none are added.
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
     if not isinstance(model, nn.Module):
@@ -69,11 +69,13 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     graph = trace(model, example_inputs, example_kwargs)
     on_meta = any(p.is_meta for p in model.parameters())
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
-    plan = build_plan(model, graph, decide(graph, tp, meta, pick, copies=not on_meta))
-    problem = padding_problem(model, plan.packings, graph, example_inputs, example_kwargs)
+    plan = build_plan(model, graph, decide(graph, tp, meta or ("" if check else "no check of the padded model was "
+                                                                "given"), pick, copies=not on_meta))
+    problem = check(model, plan.packings, graph, example_inputs, example_kwargs) if check else ""
     if problem:  # zero heads were cheapest but the model does not run with them: the next best
         plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})", pick,
                                                copies=not on_meta))
+    plan.mesh_sizes = sizes_of(mesh)
     if strict:
         _require_optimum(model, plan)
     if not plan:

@@ -1,10 +1,12 @@
 """``Plan``: the dict "auto" applies, with the roles and reasons behind it.
 
-A ``Plan`` is an ordinary plan dict (module FQN pattern -> ``LogicalStyle``) built from the roles
-``roles.decide`` found. It also remembers each parameter's role and reason (``roles``), which
-parameters stay replicated and why (``replicated``), packed projections to re-lay before placing
-(``packings``) and the modules that slice them (``slicers``: the packed-output mode runs there).
-Layer indices become ``*`` where every layer has the same style. Example:
+A ``Plan`` is a plan dict (module FQN pattern -> style) with what a planner knows beside it: each
+parameter's role and reason (``roles``), which parameters stay replicated and why (``replicated``),
+packed projections to re-lay before placing (``packings``), the modules that slice them
+(``slicers``: the packed-output mode runs there) and the traced forward the roles came from
+(``graph``). Every plan ``parallelize_xla`` takes becomes one (``Plan.of``); the planner's has its
+``LogicalStyle``s built from the roles ``roles.decide`` found, with layer indices as ``*`` where every
+layer has the same style. Example:
 
 >>> import xla_tp
 >>> from torch import nn
@@ -18,20 +20,20 @@ Layer indices become ``*`` where every layer has the same style. Example:
 from __future__ import annotations
 
 import re
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Shard
 
 from ..dataflow.graph import Graph
-from ..lowering import packed
-from .alternatives import Choice
+from ..errors import PlanError
+from ..plan.explain import explain
+from ..plan.packing import Packing
 from .logical import LogicalStyle
-from .roles import ParamRole, Roles
+from .alternatives import Choice
+from .roles import ParamRole, Role, Roles
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a leading index stays: "0" must not become "*"
-KIND_TEXT = {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel embedding",
-             "head": "vocab-parallel output head"}
 
 
 def pattern(fqn: str) -> str:
@@ -44,27 +46,31 @@ def pattern(fqn: str) -> str:
 
 
 class Plan(dict):
-    """FQN pattern -> style, plus ``roles``, ``replicated``, ``packings`` and ``sites`` (see the module)."""
+    """FQN pattern -> style, plus ``roles``, ``replicated``, ``packings``, ``slicers`` and ``graph``
+    (see the module)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.roles: dict[str, ParamRole] = {}
         self.replicated: dict[str, str] = {}
-        self.packings: dict[str, packed.Packing] = {}
+        self.packings: dict[str, Packing] = {}
         self.slicers: frozenset[str] = frozenset()
+        self.graph: Optional[Graph] = None
         self.choices: list[Choice] = []  # blocks off the optimum, with their priced alternatives
         self.whole_attention: list[str] = []  # attention computed whole, and why
+        self.mesh_sizes: Optional[dict[str, int]] = None  # the mesh a planner planned for
 
-    def relayout(self, model: nn.Module) -> None:
-        """Re-lay the packed projections device-major (shapes unchanged; run after validation)."""
-        for name, packing in self.packings.items():
-            owner, _, local = name.rpartition(".")
-            packed.relayout(model.get_submodule(owner), local, packing)
+    @classmethod
+    def of(cls, styles: Mapping[str, Any]) -> "Plan":
+        """``styles`` (a plan dict) as a ``Plan``; a ``Plan`` itself is returned as it is."""
+        return styles if isinstance(styles, Plan) else cls(styles)
 
     def explain(self, model: nn.Module, mesh: Any = None, tp_axis: str = "model") -> str:
-        """Text: per parameter its role and why, spec, per-device shape and bytes; totals; padding."""
-        from ..plan.explain import explain
-        return explain(model, self, mesh, tp_axis)
+        """Text: per parameter its role and why, spec, per-device shape and bytes; totals; padding.
+        ``mesh`` (a mesh or axis sizes) defaults to the one the plan was made for."""
+        if mesh is None and self.mesh_sizes is None:
+            raise PlanError("explain needs the mesh: pass mesh= (a mesh or axis sizes such as {'model': 4})")
+        return explain(model, self, self.mesh_sizes if mesh is None else mesh, tp_axis)
 
     def __repr__(self) -> str:
         return f"Plan({dict.__repr__(self)})"
@@ -80,7 +86,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
     for group in names.values():
         role = roles.params.get(group[0])
         for name in group:
-            if role is None or role.kind == "replicated":
+            if role is None or role.kind == Role.REPLICATED:
                 plan.replicated[name] = role.why if role is not None else default_reason(graph, group[0])
                 continue
             owner, _, local = name.rpartition(".")
@@ -91,6 +97,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
     styles = {fqn: _style(params, roles.natural.get(fqn)) for fqn, params in by_module.items()}
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.slicers = frozenset(roles.sites)
+    plan.graph = graph
     plan.choices, plan.whole_attention = roles.choices, roles.whole_attention
     return plan
 
@@ -99,17 +106,15 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     """``natural``: what the module's own output is where the trace saw it used (a tied weight's
     embedding module emits partial sums, its head module split logits); else from its parameters."""
     kinds = {r.kind for r in params.values()}
-    kind = next(k for k in ("row", "vocab", "head", "column") if k in kinds)
+    kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN) if k in kinds)
     if natural is None:
         natural = "partial" if any(r.natural == "partial" for r in params.values()) else "shard"
-    if kind in ("vocab", "head") and natural == "shard":
-        kind = "head"
-    elif kind in ("vocab", "head"):
-        kind = "vocab"
+    if kind in (Role.VOCAB, Role.HEAD):
+        kind = Role.HEAD if natural == "shard" else Role.VOCAB
     # an output head's logits are held split (and their gradient): a compiler left to choose may
     # compute part of the head's backward whole (measured with JAX's partitioner)
-    outputs = ((Shard(-1),),) if kind == "head" else ()
-    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, KIND_TEXT[kind],
+    outputs = ((Shard(-1),),) if kind == Role.HEAD else ()
+    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text,
                         Partial() if natural == "partial" else Shard(-1), outputs)
 
 

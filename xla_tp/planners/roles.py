@@ -21,7 +21,7 @@ Module names are never read: they only label explanations. Example:
 >>> from torch import nn
 >>> from xla_tp.dataflow.trace import trace
 >>> roles = decide(trace(nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16))), tp=4)
->>> {name: (role.kind, role.axes) for name, role in roles.params.items()}
+>>> {name: (role.kind.value, role.axes) for name, role in roles.params.items()}
 ... # doctest: +NORMALIZE_WHITESPACE
 {'1.weight': ('column', ('mlp', 'embed')), '1.bias': ('column', ('mlp',)), '3.weight': ('row', ('embed', 'mlp')),
  '3.bias': ('replicated', (None,)), '0.weight': ('vocab', ('vocab', 'embed'))}
@@ -29,27 +29,48 @@ Module names are never read: they only label explanations. Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Optional
 
 from ..dataflow.graph import Graph, Node, Value
-from ..dataflow.regions import Projection, Region, describe, explore, is_attention, projections
-from ..lowering.packed import Packing
-from ..lowering.patchify import patches
+from ..dataflow.patches import patches
+from ..dataflow.regions import Projection, Region, describe, explore, projections
+from ..plan.packing import Packing
 from ..plan.subaxis import sub_axis
 from .alternatives import Choice, Pick, blocks_of, choose
+from .reasons import stop_reason, whole_attention
 
 Axes = tuple[Optional[str], ...]
 
 
+class Role(str, Enum):
+    """What a parameter does in the dataflow, hence how it is split (a ``str``: ``Role.ROW == "row"``)."""
+
+    COLUMN = "column"  # its output features are split: they feed attention heads or an MLP's chain
+    ROW = "row"  # it contracts split features back into the residual stream: one all-reduce
+    VOCAB = "vocab"  # an embedding looked up with the input ids: rows split
+    HEAD = "head"  # an output head: vocab rows split, logits stay split
+    REPLICATED = "replicated"
+
+    @property
+    def text(self) -> str:
+        """``Role.HEAD.text == "vocab-parallel output head"``."""
+        return {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel embedding",
+                "head": "vocab-parallel output head", "replicated": "replicated"}[self.value]
+
+
 @dataclass
 class ParamRole:
-    """One parameter's decision: ``kind`` (column, row, vocab, head, replicated) and logical axes."""
+    """One parameter's decision: its ``Role`` and logical axes, and why."""
 
-    kind: str
+    kind: Role
     axes: Axes
     why: str
     natural: str = ""  # "shard" (column/head) or "partial" (row/vocab embedding): the module's own output
     packing: Optional[Packing] = None
+
+    def __post_init__(self) -> None:
+        self.kind = Role(self.kind)
 
 
 @dataclass
@@ -111,20 +132,12 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
             _set_patches(roles, region.projection)
             taken[node.index] = "row"
         else:
-            why = reasons.get(node.index) or _stop_reason(region)
+            why = reasons.get(node.index) or stop_reason(region)
             roles.set(region.projection.weight, _replicated(region.projection.weight, why))
             if region.projection.bias is not None:
                 roles.set(region.projection.bias, _replicated(region.projection.bias, why))
-    roles.whole_attention = _whole_attention(graph, regions, covered, reasons)
+    roles.whole_attention = whole_attention(graph, regions, covered, reasons)
     return roles
-
-
-def _stop_reason(region: Region) -> str:
-    if region.stop:
-        return f"its output {region.stop} ({describe(region.stop_node)}), so it is computed whole"
-    if region.reaches_output and not region.rows:
-        return "its output leaves the model unsplit"
-    return "no row-parallel partner"
 
 
 def _replicated(v: Value, why: str) -> ParamRole:
@@ -184,7 +197,7 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
         taken[r.projection.node.index] = "replicated"
     if not split_regions:
         covered |= {i for r in members for i in r.attention}  # attention computed whole, by choice
-        for index, (node, param, dim) in rows.items():
+        for index, (_, param, _) in rows.items():
             roles.set(param, _replicated(param, f"contracts a block computed whole{chosen}"))
             taken[index] = "replicated"
         return
@@ -340,7 +353,7 @@ def _set_patches(roles: Roles, p: Projection) -> None:
                                   "partial"), p.node.module)
     if p.bias is not None:
         roles.set(p.bias, _replicated(p.bias, "bias of a row-parallel projection: added once, after the reduction"))
-    roles.sites.add(p.node.module)  # where the lowering writes the convolution as an einsum (lowering.patchify)
+    roles.sites.add(p.node.module)  # where the lowering writes the convolution as an einsum (its patchify)
 
 
 def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
@@ -372,35 +385,4 @@ def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
         covered.add(node.index)
 
 
-def _whole_attention(graph: Graph, regions: list[Region], covered: set[int], reasons: dict[int, str]) -> list[str]:
-    """Attention that no block covers: computed whole on every device. What stopped each (first three)."""
-    missed = [n for n in graph.nodes if is_attention(n) and n.index not in covered]
-    by_output = {r.projection.node.outputs[0].index: r for r in regions}
-    lines = []
-    for node in missed[:3]:
-        feeders = _feeders(node, by_output)
-        why = "; ".join(f"{r.projection.name.rpartition('.')[0]}: "
-                        f"{reasons.get(r.projection.node.index) or _stop_reason(r)}" for r in feeders[:3])
-        lines.append(f"{describe(node)} on {[list(v.shape) for v in node.tensors[:3]]}"
-                     f" ({why or 'no projection feeds it'})")
-    if len(missed) > 3:
-        lines.append(f"+{len(missed) - 3} more")
-    return lines
-
-
-def _feeders(node: Node, by_output: dict[int, Region]) -> list[Region]:
-    """The projections whose outputs reach ``node`` (nearest first)."""
-    found, seen, work = [], set(), list(node.tensors)
-    while work:
-        v = work.pop(0)
-        if v.index in seen:
-            continue
-        seen.add(v.index)
-        if v.index in by_output:
-            found.append(by_output[v.index])
-        elif v.producer is not None and v.dynamic:
-            work.extend(v.producer.tensors)
-    return found
-
-
-__all__ = ["Packing", "ParamRole", "Roles", "decide"]
+__all__ = ["Packing", "ParamRole", "Role", "Roles", "decide"]

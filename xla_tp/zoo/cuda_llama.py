@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from . import llama
-from .llama import Llama, LlamaArgs
+from .llama import Llama
 
 
 def rope_table(head_dim: int, max_seq_len: int, theta: float) -> torch.Tensor:

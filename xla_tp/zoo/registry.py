@@ -126,7 +126,7 @@ def _cuda(h: int, kv_heads: int, layers: int, head: bool) -> nn.Module:
 
 
 BUILDERS: dict[str, Callable[..., nn.Module]] = {
-    **{name: (lambda name: lambda h, kv, n, head: _hf(name, h, kv, n, head))(name) for name in HF_FAMILIES},
+    **{name: (lambda h, kv, n, head, name=name: _hf(name, h, kv, n, head)) for name in HF_FAMILIES},
     "torch_encoder": _torch_encoder, "torch_mha": _torch_mha, "mlp": _mlp, "titan_llama": _titan,
     "cuda_llama": _cuda,
 }

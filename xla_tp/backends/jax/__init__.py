@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Union
 
 from torch import nn
 
-from ... import lowering
-from ...api import PlanLike, layout_for, resolve_plan
+from ...api import PlanLike, begin, install_lowering, layout_for, resolve_plan
 from ...errors import PlanError
 from ...mesh import canonical_axis
 
@@ -61,9 +60,10 @@ def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh
     tp_axis = canonical_axis(tp_axis)
     plan = resolve_plan(model, plan, axes, tp_axis)
     layout = layout_for(model, plan, axes, tp_axis, strict, lambda spec: None)
-    # attention with visible heads, whoever wrote the plan (as on torch_xla)
-    lowering.install(model, lowering.packed_sites(model, getattr(plan, "slicers", frozenset())), axes[tp_axis],
-                     groups=False)  # JAX differentiates the forward itself
+    state = begin(model, plan, layout, jmesh, axes[tp_axis], embeddings=False)
+    # attention with visible heads, whoever wrote the plan, and column groups (as on torch_xla); no
+    # vocabulary tables: JAX differentiates the forward itself
+    install_lowering(model, state, plan, embeddings=False)
     return JaxModel(model, layout, jmesh, plan)
 
 

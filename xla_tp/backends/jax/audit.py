@@ -1,7 +1,7 @@
 """``JaxModel.audit``: the ``AuditReport`` of the program JAX compiles, read with the same parsers.
 
 The HLO is ``jax.jit(f).lower(...).compile().as_text()`` (per-device, after partitioning), read by
-``xla_tp.audit.hlo``; the communication minimum comes from the same layout rules as the torch_xla
+``xla_tp.auditing.hlo``; the communication minimum comes from the same layout rules as the torch_xla
 audit, recorded on a fake-tensor forward of the torch module (no compute); the unsharded FLOPs
 from the same function compiled for one device without the layout's constraints. Nothing runs.
 Example::
@@ -20,11 +20,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
 from torch.utils import _pytree as torch_pytree
 
-from ...audit.hlo import dot_flops
-from ...audit.minimum import ActivationRecorder
-from ...audit.report import AuditReport
-from ...audit.run import report_from_hlo, set_minimum
-from ...constraints import _Constrainer, register_hooks
+from ...auditing.hlo import dot_flops
+from ...auditing.minimum import ActivationRecorder
+from ...auditing.report import AuditReport
+from ...auditing.run import report_from_hlo, set_minimum
+from ...constraints import Constrainer, register_hooks
 from ...plan.layout import Layout
 from .mesh import device_ids
 from .program import Outputs, call_module
@@ -79,18 +79,18 @@ def _shard_numel(a: jax.Array) -> int:
     return math.prod(a.sharding.shard_shape(a.shape))
 
 
-class _CopyConstrainer(_Constrainer):
+class _CopySharder:
     """Each constraint step a new tensor, as on the real backends (the recorder tells constrained
-    inputs from the arguments as given by identity)."""
-
-    def __init__(self, layout: Layout):  # no mesh: nothing is laid out
-        self.tp_axis, self.batch_axes, self.batch_size = layout.tp_axis, layout.batch_axes, 1
+    inputs from the arguments as given by identity); nothing is laid out."""
 
     def applies(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
 
     def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
         return x.clone()
+
+    def batch_size(self, axes: tuple[str, ...]) -> int:
+        return 1
 
 
 def record_calls(module: torch.nn.Module, layout: Layout, args: tuple, kwargs: dict) -> list:
@@ -100,7 +100,7 @@ def record_calls(module: torch.nn.Module, layout: Layout, args: tuple, kwargs: d
     with FakeTensorMode() as mode, torchax_tracing(), torch.enable_grad():
         state = {n: mode.from_tensor(t) for n, t in [*module.named_parameters(), *module.named_buffers()]}
         args, kwargs = torch_pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-        handles = register_hooks(module, layout, _CopyConstrainer(layout))  # first, as on the real backends
+        handles = register_hooks(module, layout, Constrainer(_CopySharder(), layout))  # first, as on the real backends
         try:
             with ActivationRecorder(module, layout) as recorder:
                 functional_call(module, state, args, kwargs)

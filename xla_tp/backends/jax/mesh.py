@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from ...errors import MeshError
-from ...mesh import AXIS_ALIASES, AXIS_ORDER, canonical_axis
+from ...axes import AXIS_ALIASES, AXIS_ORDER, canonical_axis
 from .runtime import ensure_cpu_devices
 
 JaxMeshLike = Union[Mesh, Mapping[str, int], None]

@@ -25,8 +25,11 @@ from torch.distributed.tensor.placement_types import Replicate
 
 from ... import lowering
 from ...plan.layout import Layout, activation_spec
+from ...state import state_of
+from .audit import audit_jax, compiled_hlo
 from .program import Inputs, Outputs, Program, call_module, jax_view, signature
 from .runtime import shardy, to_jax, to_torch
+from .train import TrainStep
 
 LossFn = Callable[..., Any]  # loss_fn(module, *batch, **kwargs) -> scalar torch tensor
 
@@ -50,7 +53,6 @@ class JaxModel:
         self._outputs: dict[tuple, Outputs] = {}
         self._takes_use_cache = "use_cache" in inspect.signature(type(module).forward).parameters
         self._forward = jax.jit(self._forward_fn, static_argnames=("static",))
-        self._grouped = False  # column groups found (at the first call's arguments)
 
     def sharding(self, name: str) -> NamedSharding:
         """The ``NamedSharding`` of parameter ``name`` under the layout (replicated if unplanned)."""
@@ -74,14 +76,15 @@ class JaxModel:
     def inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, Inputs]:
         """``(arrays, static)`` for a call: torch tensors become jax arrays sharded on the batch.
 
-        The first call also finds the module's column groups (q/k/v, gate/up) on these arguments:
-        their forward then runs as one contraction, so the gradient has one reduction per group.
+        A module whose column groups (q/k/v, gate/up) could not be found when it was parallelized
+        (its forward needs real arguments) finds them on these: their forward then runs as one
+        contraction, so the gradient has one reduction per group.
         """
-        if not self._grouped:
-            self._grouped = True
+        state = state_of(self.module)
+        if state is not None and state.pending:
             host = jax.tree_util.tree_map(lambda a: to_torch(a) if isinstance(a, jax.Array) else
                                           torch.from_numpy(a) if isinstance(a, np.ndarray) else a, (args, kwargs))
-            lowering.discover(self.module, *host, self.mesh.shape[self.layout.tp_axis], self.layout, embeddings=False)
+            lowering.find_at_call(self.module, state, *host, embeddings=False)
         return Inputs.split(args, kwargs, self._to_array)
 
     def _to_array(self, x: Any) -> jax.Array:
@@ -126,17 +129,14 @@ class JaxModel:
 
     def train_step(self, loss_fn: LossFn, optimizer: Any) -> "TrainStep":
         """A jitted training step over ``params``; see ``TrainStep``."""
-        from .train import TrainStep
         return TrainStep(self, loss_fn, optimizer)
 
     def audit(self, *args: Any, backward: bool = False, **kwargs: Any):
         """The ``AuditReport`` of the jax-compiled program of ``jm(*args, **kwargs)``."""
-        from .audit import audit_jax
         return audit_jax(self, args, self._defaults(kwargs), backward)
 
     def hlo(self, *args: Any, backward: bool = False, **kwargs: Any) -> str:
         """The per-device HLO JAX compiles for ``jm(*args, **kwargs)`` (what ``audit`` reads)."""
-        from .audit import compiled_hlo
         return compiled_hlo(self, args, self._defaults(kwargs), backward)
 
     def to_module(self) -> nn.Module:

@@ -27,9 +27,9 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils import _pytree as torch_pytree
 
-from ...constraints import _Constrainer, register_hooks
-from ...lowering import packed
+from ...constraints import Constrainer, register_hooks
 from ...plan.layout import Layout
+from ...state import PARAM_ATTR, param_state
 from .runtime import import_torchax, torchax_tracing
 
 torchax = import_torchax()
@@ -102,18 +102,21 @@ class Outputs(NamedTuple):
         return torch_pytree.tree_unflatten([next(it) if x is _ARRAY else x for x in self.leaves], self.spec)
 
 
-class JaxConstrainer(_Constrainer):
-    """Layout chains as ``with_sharding_constraint`` on torchax tensors."""
+class JaxSharder:
+    """The JAX side of the ``Sharder`` interface: ``with_sharding_constraint`` on torchax tensors (its
+    transpose is the same constraint, so the gradient is laid out alike)."""
 
-    def __init__(self, mesh: Mesh, layout: Layout):  # not super().__init__: that one reads an xs.Mesh
-        self.mesh, self.tp_axis, self.batch_axes = mesh, layout.tp_axis, layout.batch_axes
-        self.batch_size = math.prod(mesh.shape[a] for a in self.batch_axes)
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
 
     def applies(self, x: Any) -> bool:
         return isinstance(x, (torchax.tensor.Tensor, View))
 
     def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
         return call_jax(jax.lax.with_sharding_constraint, x, NamedSharding(self.mesh, PartitionSpec(*spec)))
+
+    def batch_size(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.mesh.shape[a] for a in axes)
 
 
 class _Bound(nn.Module):
@@ -132,8 +135,7 @@ class Program:
 
     def __init__(self, module: nn.Module, layout: Layout, mesh: Mesh):
         self.module, self.layout = module, layout
-        self.constrainer = JaxConstrainer(mesh, layout)
-        self.packings = {n: p for n, p in ((n, packed.packing_of(t)) for n, t in module.named_parameters()) if p}
+        self.constrainer = Constrainer(JaxSharder(mesh), layout)
 
     def run(self, fn: Callable[..., Any], state: dict[str, jax.Array], args: tuple, kwargs: dict,
             constrained: bool = True) -> Any:
@@ -142,9 +144,10 @@ class Program:
         ``constrained=False`` leaves the layout's activation constraints out (the unsharded program).
         """
         state, args, kwargs = torch_view((state, args, kwargs))
-        for name, view in state.items():  # re-laid packed weights: the lowering mode reads them in place
-            if name in self.packings:
-                setattr(view, packed.ATTR, self.packings[name])
+        found = {n: ps for n, t in self.module.named_parameters() if (ps := param_state(t)) is not None}
+        for name, view in state.items():  # what the lowering knows of each parameter (packings, groups)
+            if name in found:
+                setattr(view, PARAM_ATTR, found[name])
         handles = register_hooks(self.module, self.layout, self.constrainer) if constrained else []
         try:
             with torchax.default_env(), torchax_tracing():

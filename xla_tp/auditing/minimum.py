@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from ..plan.layout import Chain, Layout, ModuleLayout
+from ..plan.layout import Chain, Layout
 
 
 @dataclass(frozen=True)

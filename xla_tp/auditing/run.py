@@ -29,11 +29,11 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
-from ..constraints import constraint_hooks
+from ..lowering import scope
 from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
-from ..plan.applied import layout_of
 from ..plan.layout import Layout
+from ..state import constraint_handles, layout_of
 from .capture import capture_partitioned_hlo, post_optimization_hlo_enabled
 from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
 from .minimum import ActivationRecorder, Expected, minimum_collectives
@@ -164,13 +164,13 @@ def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
     xla_tp's constraint hooks are suspended while it traces; values do not matter for FLOPs.
     """
     device = next((p.device for p in module.parameters()), torch.device("xla"))
-    # the model as written: a weight padded with zero heads takes its original shape
+    # the model as written: a weight padded with zero heads (or grown by copies) takes its original shape
     params = {n: torch.randn(original_shape(p), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
               if p.is_floating_point() else p.detach().cpu().to(device)
               for n, p in module.named_parameters()}
     plain = tuple(a.detach().cpu().to(device).requires_grad_(a.requires_grad)
                   if isinstance(a, torch.Tensor) else a for a in args)
-    with _suspended_hooks(module):
+    with _suspended_hooks(module), scope.suspended():
         return dot_flops(capture_partitioned_hlo(_outputs(module, plain, backward, params)))
 
 
@@ -178,7 +178,7 @@ class _suspended_hooks:
     """Context manager: take xla_tp's activation hooks off ``module`` (and its submodules) and put them back."""
 
     def __init__(self, module: nn.Module):
-        self.handles = constraint_hooks(module)
+        self.handles = constraint_handles(module)
         self.orders: dict[int, tuple[dict, list]] = {}  # dict order is call order: each touched dict's, as it was
 
     def __enter__(self) -> None:

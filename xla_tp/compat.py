@@ -1,0 +1,193 @@
+"""Everything xla_tp changes outside its own objects: one list, installed while a model needs it.
+
+Each ``Effect`` names its target, the versions it was written for and why it exists. The first
+parallelized model takes a lease (``lease()``), which installs every effect whose target is loaded;
+when the last lease is released (``unparallelize``, or the model is garbage-collected) every effect
+is undone and torch, torch_xla and transformers are exactly as they were. While installed, each
+replacement acts only inside a parallelized model's forward or backward (``lowering.scope``) or on
+objects xla_tp made (its parameters, its optimizer records); anywhere else it calls the original.
+Targets in optional packages (transformers, torchao) are installed once that package is loaded:
+``refresh()`` retries them (each new lease and each optimizer step does). Example::
+
+    lease = compat.lease()          # parallelize_xla does this
+    installed()                     # ['sdpa', 'matmul', ...]
+    lease.release()                 # the last one: every original is back
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+log = logging.getLogger(__name__)
+Undo = Callable[[], None]
+
+TORCH = "torch 2.9.0"
+TORCH_XLA = "torch 2.9.0 / torch_xla 2.9.0"
+
+
+@dataclass(frozen=True)
+class Effect:
+    """One change outside xla_tp. ``install()`` applies it and returns its undo, or None when the
+    target is not loaded (it is retried later)."""
+
+    name: str
+    target: str
+    written_for: str
+    why: str
+    install: Callable[[], Optional[Undo]]
+
+
+def _loaded(path: str) -> Any:
+    """The object at dotted ``path`` if its module is already imported (optional packages are never
+    imported here); None otherwise. ``_loaded("torch.Tensor") is torch.Tensor``."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        module = sys.modules.get(".".join(parts[:i]))
+        if module is not None:
+            obj = module
+            for name in parts[i:]:
+                obj = getattr(obj, name, None)
+                if obj is None:
+                    return None
+            return obj
+    return None
+
+
+def _implementation(ref: str) -> Callable[..., Any]:
+    """``"xla_tp.lowering.entry:sdpa"`` -> that function (imported when first installed)."""
+    module, _, name = ref.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def replace(target: str, make: str) -> Callable[[], Optional[Undo]]:
+    """An install that sets ``target`` (``owner.attr``) to ``make(original)``; its undo puts the
+    original back, unless someone replaced ours since (then ours stays, with a warning)."""
+    owner_path, _, attr = target.rpartition(".")
+
+    def install() -> Optional[Undo]:
+        owner = _loaded(owner_path)
+        if owner is None:
+            return None
+        original = getattr(owner, attr)
+        ours = _implementation(make)(original)
+        setattr(owner, attr, ours)
+
+        def undo() -> None:
+            if getattr(owner, attr) is ours:
+                setattr(owner, attr, original)
+            else:
+                log.warning("xla_tp: %s was replaced again after xla_tp replaced it; left as it is", target)
+        return undo
+    return install
+
+
+def call(ref: str) -> Callable[[], Optional[Undo]]:
+    """An install done by the function at ``ref`` (it returns its undo, or None when not applicable)."""
+    return lambda: _implementation(ref)()
+
+
+_ENTRY = "xla_tp.lowering.entry"
+EFFECTS: tuple[Effect, ...] = (
+    Effect("sdpa", "torch.nn.functional.scaled_dot_product_attention", TORCH_XLA,
+           "XLA lowers its batched 4-D matmuls through a reshape that merges batch and heads, hiding a head "
+           "split from GSPMD (q, k, v all-gathered, attention replicated); inside a parallelized forward it "
+           "is two einsums", replace("torch.nn.functional.scaled_dot_product_attention", f"{_ENTRY}:sdpa")),
+    Effect("matmul", "torch.matmul", TORCH_XLA, "4-D matmuls (HF eager attention): as sdpa",
+           replace("torch.matmul", f"{_ENTRY}:matmul")),
+    Effect("tensor_matmul", "torch.Tensor.matmul", TORCH_XLA, "as matmul",
+           replace("torch.Tensor.matmul", f"{_ENTRY}:matmul")),
+    Effect("tensor_at", "torch.Tensor.__matmul__", TORCH_XLA, "as matmul (the @ operator)",
+           replace("torch.Tensor.__matmul__", f"{_ENTRY}:matmul")),
+    Effect("mha", "torch.nn.functional.multi_head_attention_forward", TORCH_XLA,
+           "nn.MultiheadAttention's bmm hides the heads as sdpa does; its packed in-projection is read "
+           "block by block when re-laid", replace("torch.nn.functional.multi_head_attention_forward",
+                                                   f"{_ENTRY}:mha")),
+    Effect("layer_norm", "torch.nn.functional.layer_norm", TORCH_XLA,
+           "torch_xla's layer_norm all-gathers a batch split over the data axis; spelled out it does not",
+           replace("torch.nn.functional.layer_norm", f"{_ENTRY}:layer_norm")),
+    Effect("embedding", "torch.nn.functional.embedding", TORCH_XLA,
+           "GSPMD scatters a vocabulary-split table's gradient into a full table on every device and "
+           "reduces it over the whole mesh; xla_tp scatters it per device",
+           replace("torch.nn.functional.embedding", f"{_ENTRY}:embedding")),
+    Effect("linear", "torch.nn.functional.linear", TORCH_XLA,
+           "column groups (q/k/v, gate/up) computed together so their input gradient is reduced once; tied "
+           "LM heads read one copy of the table per batch replica; re-laid packed outputs tagged for the "
+           "model's own slicing", replace("torch.nn.functional.linear", f"{_ENTRY}:linear")),
+    Effect("addmm", "torch.addmm", TORCH_XLA, "HF Conv1D (GPT-2) projections: re-laid packed outputs, as linear",
+           replace("torch.addmm", f"{_ENTRY}:addmm")),
+    Effect("getitem", "torch.Tensor.__getitem__", TORCH_XLA,
+           "torch_xla raises 'Value out of range' for a slice bound past a dimension (transformers' "
+           "sliding-window caches do it) where the CPU clamps: retried clamped",
+           replace("torch.Tensor.__getitem__", f"{_ENTRY}:getitem")),
+    Effect("dynamo_bridge", "torch_xla._dynamo.dynamo_bridge.extract_graph_helper", TORCH_XLA,
+           "the bridge matches graph inputs by an id that SPMD re-stamps, so a compiled backward replays the "
+           "first step's inputs; xla_tp matches them by device buffer",
+           replace("torch_xla._dynamo.dynamo_bridge.extract_graph_helper", "xla_tp.dynamo:inputs_by_data")),
+    Effect("torch_xla_module", "torch.xla", TORCH_XLA,
+           "torch.utils.checkpoint replays RNG state through torch.<device>, which torch_xla does not register",
+           call("xla_tp.recompute:register")),
+    Effect("optimizer_hooks", "torch.optim.Optimizer step hooks", TORCH_XLA,
+           "updates that bitcast (view(dtype)) silently replicate a parameter, and optimizer states get "
+           "whatever layout the compiler picks: restored after each step, for parallelized parameters only",
+           call("xla_tp.guard:register")),
+    Effect("torchao_rounding", "torchao.optim.adam._fp32_to_bf16_sr", "torchao 0.14.1 / torch_xla 2.9.0",
+           "its view(dtype) bitcast executes the pending graph on every call under torch_xla: a lazy "
+           "BitcastConvert on XLA tensors keeps the optimizer step one program",
+           replace("torchao.optim.adam._fp32_to_bf16_sr", "xla_tp.optim:lazy_rounding")),
+    Effect("save_pretrained", "transformers.PreTrainedModel.save_pretrained", "transformers 5.23.0 / torch_xla 2.9.0",
+           "safetensors reads an XLA tensor's storage pointer and fails; a parallelized model is saved from "
+           "host copies", replace("transformers.PreTrainedModel.save_pretrained",
+                                  "xla_tp.checkpoint.export:host_save_pretrained")),
+)
+
+_lock = threading.RLock()
+_leases = 0
+_undo: dict[str, Undo] = {}
+
+
+class Lease:
+    """One holder's claim on the effects; ``release()`` is idempotent."""
+
+    def __init__(self) -> None:
+        self.held = True
+
+    def release(self) -> None:
+        global _leases
+        with _lock:
+            if not self.held:
+                return
+            self.held = False
+            _leases -= 1
+            if _leases == 0:
+                for name in reversed(list(_undo)):
+                    _undo.pop(name)()
+
+
+def lease() -> Lease:
+    """Take a lease: every effect whose target is loaded is installed (once)."""
+    global _leases
+    with _lock:
+        _leases += 1
+        refresh()
+        return Lease()
+
+
+def refresh() -> None:
+    """Install the effects not installed yet whose targets are now loaded (while a lease is held)."""
+    with _lock:
+        if _leases == 0:
+            return
+        for effect in EFFECTS:
+            if effect.name not in _undo:
+                undo = effect.install()
+                if undo is not None:
+                    _undo[effect.name] = undo
+
+
+def installed() -> list[str]:
+    """Names of the effects installed now (none once every lease is released)."""
+    return list(_undo)
