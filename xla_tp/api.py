@@ -24,7 +24,7 @@ from .backends.annotate import XlaSharder
 from .backends.place import place_module
 from .constraints import install_constraints
 from .dataflow.inputs import MadeUpInputError
-from .deferred import plan_at_first_call
+from .deferred import cancel as cancel_first_call, plan_at_first_call
 from .errors import PlanError
 from .guard import record_of
 from .lowering import packed
@@ -188,6 +188,7 @@ def unparallelize(model: nn.Module, *, keep_sharding: bool = False) -> nn.Module
         model = xla_tp.unparallelize(xla_tp.parallelize_xla(model, "auto", mesh=mesh))
     """
     inside = {id(m) for m in model.modules()}
+    cancel_first_call(model)  # "auto" waiting for the first call to plan: nothing else was done
     for _, mod, _ in list(states_under(model)):
         _forget(mod)
     for root, state in all_states():  # a call on a model around this one: what it did inside goes
