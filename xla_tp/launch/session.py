@@ -32,6 +32,7 @@ from .model import ModelShape, build_model, hf_config, model_shape
 from .plans import PlanInput, PlannedSpecs, plan_input, plan_specs
 from .progress import Reporter
 from .recipe import PRECISIONS, Recipe
+from .rerun import rewind_metrics
 from .schema import LaunchError
 from .topology import Topology
 from .train import Loop, causal_or_masked_loss, flops_per_token, make_optimizer, to_device
@@ -109,11 +110,16 @@ class Session:
             inputs, _ = batches.get(0)
             self.say(str(xla_tp.audit(model, to_device(inputs, self.mesh), mesh=self.mesh)))
         optimizer, schedule = make_optimizer(model, r.optimizer, r.steps)
-        start_step = checkpoints.resume(model, optimizer, schedule) if resume else 0
+        start_step = 0
         if resume:
-            self.say(f"resumed from step {start_step} ({r.checkpoint.dir})")
+            start_step, source = checkpoints.resume(model, optimizer, schedule, self.say)
+            self.say(f"resumed from step {start_step} ({source})")
         if self.reporter.speaks:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if resume:
+                dropped = rewind_metrics(run_dir / "metrics.jsonl", start_step, source)
+                if dropped:
+                    self.say(f"metrics.jsonl: dropped {dropped} record(s) after step {start_step}; they are trained again")
             (run_dir / "recipe.yaml").write_text(yaml.safe_dump(
                 {"recipe": r.path, "topology": t.name, "mesh": self.axes, "steps": r.steps, "batch": r.batch,
                  "seq_len": r.seq_len, "precision": r.precision, "optimizer": vars(r.optimizer)}))
