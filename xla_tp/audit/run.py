@@ -18,6 +18,7 @@ partitioned program comes from ``capture_partitioned_hlo``: torch_xla's own comp
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from typing import Any, Callable, Optional, Union
 
@@ -32,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from ..constraints import constraint_hooks
 from ..mesh import MeshLike, to_xs_mesh
 from ..plan.applied import layout_of
+from ..plan.normalize import BATCH_AXES
 from ..plan.layout import Layout
 from .capture import capture_partitioned_hlo, post_optimization_hlo_enabled
 from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
@@ -52,7 +54,24 @@ def audit(module_or_fn: Target, *example_args: Any, mesh: MeshLike = None, backw
         model = xla_tp.parallelize_xla(model, plan, mesh=mesh)
         print(xla_tp.audit(model, x, mesh=mesh))
     """
-    return audit_here(module_or_fn, example_args, to_xs_mesh(mesh), backward, plan_layout)
+    xmesh = to_xs_mesh(mesh)
+    _warn_uneven_batch(example_args, xmesh)
+    return audit_here(module_or_fn, example_args, xmesh, backward, plan_layout)
+
+
+def _warn_uneven_batch(args: tuple, xmesh: Any) -> None:
+    """Warn when the batch (dim 0 of the first tensor argument) does not divide over the mesh's batch
+    axes: XLA then pads or replicates it, and the report measures that program, not an even batch's."""
+    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    axes = [a for a in BATCH_AXES if sizes.get(a, 1) > 1]
+    shards = math.prod(sizes[a] for a in axes)
+    first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim()), None)
+    if first is None or first.shape[0] % shards == 0:
+        return
+    over = ",".join(f"{a}={sizes[a]}" for a in axes)
+    warnings.warn(f"xla_tp: batch {first.shape[0]} does not divide over {over}: XLA pads or replicates it, so "
+                  f"the audit's compute balance and communication are not those of an even batch; use a batch "
+                  f"that is a multiple of {shards}", stacklevel=3)
 
 
 def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,

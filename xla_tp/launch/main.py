@@ -31,13 +31,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..cli import fail, quiet_xla_warnings
 from ..errors import MeshError, PlanError
 from .recipe import DEFAULT_RECIPE, check_for_topology, load_recipe
 from .rerun import EarlierRun
 from .schema import LaunchError
 from .topology import Topology, load_topology
 
-BAD_INPUT, DOES_NOT_FIT, INTERRUPTED = 2, 3, 130
+DOES_NOT_FIT, INTERRUPTED = 3, 130
 
 
 def add_parser(sub: Any) -> None:
@@ -84,8 +85,7 @@ def launch(args: argparse.Namespace) -> int:
     try:
         return _launch(args)
     except (PlanError, MeshError) as error:   # LaunchError is a PlanError
-        print(f"xla-tp launch: {error}", file=sys.stderr)
-        return BAD_INPUT
+        return fail("launch", error)
     except KeyboardInterrupt:                 # a second Ctrl-C during a step, or one before training
         print("xla-tp launch: interrupted", file=sys.stderr)
         return INTERRUPTED
@@ -127,7 +127,7 @@ def prepare_env(topology: Topology, dry_run: bool) -> None:
     without one (the run is then refused after the fit check).
     """
     os.environ.setdefault("XLA_DUMP_POST_OPTIMIZATIONS", "1")   # the audit reads the partitioned program
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet_xla_warnings()
     if topology.is_tpu and not dry_run and os.environ.get("PJRT_DEVICE") == "TPU":
         return
     os.environ.update(topology.env)

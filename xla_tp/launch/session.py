@@ -26,7 +26,7 @@ import xla_tp
 from ..mesh import AXIS_ORDER
 from .check import compare_one_step
 from .checkpoints import Checkpoints
-from .data import Batches
+from .data import Batches, check_data
 from .fit import BYTES, FitReport, FitSettings, estimate, human, suggest
 from .model import ModelShape, build_model, hf_config, model_shape
 from .plans import PlanInput, PlannedSpecs, plan_input, plan_specs
@@ -52,6 +52,7 @@ class Session:
                               f"max_position_embeddings or lower seq_len")
         self.dtype = getattr(torch, PRECISIONS[recipe.precision])
         self.plan = plan_input(recipe)
+        check_data(recipe.data, self.shape.vocab, recipe.seq_len, recipe.model.task)   # before the runtime starts
         self.mesh = xla_tp.make_mesh(**axes)
         self.process_index = xr.process_index() if process_index is None else process_index
         self.reporter = Reporter(None, self.process_index)
