@@ -5,14 +5,17 @@ when it was saved: ``integrity.verify``), then its names and shapes are compared
 ``state_dict`` (and the optimizer's parameters): a damaged checkpoint, or one of another model or
 shape, is refused naming the file or every mismatching name and shape. Everything is read into
 fresh tensors and swapped in only once all of it was read, so a failure at any point leaves the
-model and optimizer exactly as they were. Each device reads
-only the pieces of its own shards (torch_xla's ``SPMDLoadPlanner``, without its read-back of the
-values being replaced: ``planner.ShardLoadPlanner``), whatever mesh and plan wrote them: a
-checkpoint saved on ``fsdp=2, model=4`` loads on ``model=8`` or ``data=4, model=2``. Parameters
-(re-laid ones included) and optimizer states go through the model's ``load_state_dict`` and keep
-their shardings; the swap costs one more copy of the parameters on the devices while it runs. Safetensors weights (a file or a Hugging Face checkpoint directory) are
-checked the same way, then written tensor by tensor, each device's block read straight from the
-file (``safetensors.SafetensorsSource``). Example::
+model and optimizer exactly as they were (the swap costs one more copy of the parameters on the
+devices while it runs). Each device reads only the pieces of its own shards (torch_xla's
+``SPMDLoadPlanner``, without its read-back of the values being replaced:
+``planner.ShardLoadPlanner``), whatever mesh and plan wrote them: a checkpoint saved on
+``fsdp=2, model=4`` loads on ``model=8`` or ``data=4, model=2``. Parameters (re-laid ones included)
+and optimizer states go through the model's ``load_state_dict`` and keep their shardings.
+
+Safetensors weights (a file or a Hugging Face checkpoint directory) are checked the same way
+(names and shapes), then written tensor by tensor into the model's own blocks, each device's block
+read straight from the file (``safetensors.SafetensorsSource``): no second copy, so a file that
+fails half-way leaves the tensors before it loaded. Example::
 
     step = xla_tp.load_checkpoint("ckpt", model, opt)      # the newest complete step under ckpt/
 """
@@ -49,9 +52,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     """Load the checkpoint at ``path`` (a root: its newest complete step; a step directory; or
     safetensors weights: a file, or a Hugging Face checkpoint directory) into ``model`` (and
     ``optimizer``), on the model's current mesh and plan. Returns the saved step (None for safetensors).
-    All or nothing: the checkpoint is verified whole first (``integrity.verify``), read into fresh
-    tensors, and swapped in only once everything was read; any failure raises ``CheckpointError``
-    naming the file and what is wrong, with the model and optimizer as they were. Example::
+    An xla_tp checkpoint loads all or nothing: it is verified whole first (``integrity.verify``), read
+    into fresh tensors, and swapped in only once everything was read; any failure raises
+    ``CheckpointError`` naming the file and what is wrong, with the model and optimizer as they were
+    (safetensors weights are written in place: see the module docstring). Example::
 
         model = xla_tp.parallelize_xla(build(), "auto", mesh=xla_tp.make_mesh(model=8))
         xla_tp.load_checkpoint("ckpt", model)
@@ -73,7 +77,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     groups = _read_groups(directory, meta) if optimizer is not None else None
     owners = _check_optimizer(directory, meta, model, optimizer, groups) if optimizer is not None else {}
     params = dict(model.named_parameters(remove_duplicate=False))
-    targets = {prefix + key: _fresh(meta[prefix + key], value, params.get(key, value)) for key, value in live.items()}
+    in_place = isinstance(reader, SafetensorsSource)   # weights into the model's own blocks: host memory stays low
+    targets = {prefix + key: _target(meta[prefix + key], value, params.get(key, value), in_place)
+               for key, value in live.items()}
     for key, (param, _) in owners.items():
         md = meta[key]
         laid_out = isinstance(md, TensorStorageMetadata) and tuple(md.size) == tuple(live[param_names(model)[id(param)]].shape)
@@ -81,7 +87,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     torch_xla.sync(wait=True)  # targets become device data, whose shards are then replaced
     _read(directory, reader, targets)
     optimizer_state = _optimizer_state(model, optimizer, groups, owners, targets) if optimizer is not None else None
-    model.load_state_dict({k: targets[prefix + k] for k in live}, strict=False)   # everything was read: swap in
+    swap = {k: targets[prefix + k] for k, v in live.items() if targets[prefix + k] is not v}
+    model.load_state_dict(swap, strict=False)   # everything was read: swap in
     for p in params.values():
         restore_sharding(p)
     if optimizer is not None:
@@ -105,11 +112,12 @@ def _verified(path: str, step: Optional[int], directory: str) -> Metadata:
                               f"{CheckpointRoot(path).step_dir(older[-1])!r}") from error
 
 
-def _fresh(md: Any, value: Any, like: torch.Tensor) -> Any:
-    """A new tensor to read a state_dict entry into (sharded like ``like``); non-tensors as they are."""
+def _target(md: Any, value: Any, like: torch.Tensor, in_place: bool) -> Any:
+    """What a state_dict entry is read into: a new tensor sharded like ``like`` (the entry itself when
+    ``in_place`` and the layouts agree); non-tensors as they are."""
     if not isinstance(value, torch.Tensor) or not isinstance(md, TensorStorageMetadata):
         return value
-    return _empty_like_entry(md, like)
+    return value if in_place and value is like else _empty_like_entry(md, like)
 
 
 def _read(directory: str, reader: Any, state: dict[str, Any], planner: Any = None) -> None:
