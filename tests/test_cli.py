@@ -1,10 +1,20 @@
-"""``xla-tp`` command line: mesh parsing, and an audit run end to end in its own process."""
+"""``xla-tp`` command line: mesh parsing, an audit end to end, and bad input (one line, status 2), each
+in its own process as a user runs it."""
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import pytest
+import torch
+import torch_xla
+
+import xla_tp
 from xla_tp.cli import parse_mesh
+
+from .fresh import user_env
+from .helpers import MLP
 
 
 def test_parse_mesh():
@@ -19,3 +29,57 @@ def test_cli_audit_llama_json():
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["comm_ratio"] == 1.0 and report["collectives"]["all-reduce"]["count"] == 5
+
+
+ROOT = Path(__file__).parent.parent
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``xla-tp ARGS`` as a user runs it: a fresh process, only the device variables set."""
+    return subprocess.run([sys.executable, "-m", "xla_tp.cli", *args], cwd=ROOT, env=user_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+BAD_INPUT = {
+    "audit, unknown mesh axis": (["audit", "llama", "--mesh", "data=2,modle=4"], "xla-tp audit: make_mesh: unknown axis 'modle'"),
+    "plan, unknown mesh axis": (["plan", "llama", "--mesh", "foo=8"], "xla-tp plan: make_mesh: unknown axis 'foo'"),
+    "mesh size not a number": (["audit", "llama", "--mesh", "model=x"], "'model=x' is not name=size"),
+    "batch 0": (["audit", "llama", "--batch", "0"], "xla-tp audit: --batch 0: pass a positive number"),
+    "batch not an int": (["plan", "llama", "--batch", "x"], "argument --batch: invalid int value: 'x'"),
+    "config path not JSON": (["audit", "README.md"], "README.md: not a Hugging Face config.json"),
+    "unknown model": (["plan", "lama"], "unknown model 'lama'"),
+    "binary recipe": (["launch", "{binary}", "--dry-run"], "not a YAML text file"),
+    "missing data, dry run": (["launch", "data.path=/nonexistent.txt", "--dry-run"],
+                              "xla-tp launch: data.path '/nonexistent.txt': no such file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUT))
+def test_bad_input_is_one_line_with_the_fix_and_status_2(case, tmp_path):
+    args, words = BAD_INPUT[case]
+    binary = tmp_path / "recipe.yaml"
+    binary.write_bytes(bytes(range(256)) * 4)
+    result = _cli(*(a.format(binary=binary) for a in args))
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert words in lines[0] and lines[0].startswith("xla-tp"), lines[0]
+
+
+def test_audit_warns_when_the_batch_does_not_divide_over_the_data_axis():
+    result = _cli("audit", "mlp", "--batch", "3", "--mesh", "data=2,model=4")
+    assert result.returncode == 0, result.stderr[-3000:]
+    warned = [line for line in result.stderr.splitlines() if line.startswith("xla-tp audit: warning: batch 3 does "
+                                                                            "not divide over data=2: XLA pads")]
+    assert len(warned) == 1, result.stderr[-3000:]
+    assert "dot FLOPs x devices" in result.stdout          # the report is still printed
+
+
+def test_python_audit_warns_the_same_way():
+    model = MLP(16, 32)
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    xla_tp.parallelize_xla(model, {"fc1": xla_tp.ColwiseParallel(), "fc2": xla_tp.RowwiseParallel()}, mesh=mesh)
+    with pytest.warns(UserWarning, match="batch 3 does not divide over data=2"):
+        xla_tp.audit(model, torch.randn(3, 16, device=torch_xla.device()), mesh=mesh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        xla_tp.audit(model, torch.randn(4, 16, device=torch_xla.device()), mesh=mesh)

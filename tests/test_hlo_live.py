@@ -67,10 +67,10 @@ def test_capture_refuses_materialised_tensors():
 
 CAPTURE_SCRIPT = """
 import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
-from xla_tp.auditing.capture import capture_partitioned_hlo
 if {spmd}:
     xr.use_spmd()
-a = torch.randn(16, 8).to(torch_xla.device())
+a = torch.randn(16, 8).to(torch_xla.device())   # before importing xla_tp, which would turn SPMD on
+from xla_tp.auditing.capture import capture_partitioned_hlo
 if {spmd}:
     xs.mark_sharding(a, xs.Mesh(np.arange(8), (8,), ("model",)), ("model", None))
 try:

@@ -11,12 +11,14 @@ import pytest
 import torch
 
 from xla_tp import cli
+from xla_tp.checkpoint.store import CheckpointRoot
 from xla_tp.launch import LaunchError, load_recipe, load_topology
 from xla_tp.launch.checkpoints import Checkpoints
 from xla_tp.launch.commands import worker_commands
 from xla_tp.launch.data import IGNORE, Batches
 from xla_tp.launch.progress import Reporter
 from xla_tp.launch.recipe import DataSpec
+from xla_tp.launch.rerun import EarlierRun, rewind_metrics
 from xla_tp.launch.session import Session
 
 from .fresh import user_env
@@ -128,27 +130,103 @@ def test_reporter_draws_a_bar_only_on_a_terminal(tmp_path):
     assert "2/4" in stream.getvalue() and "MFU 41.0%" in stream.getvalue()
 
 
-def test_a_run_saves_checkpoints_and_resumes_exactly_where_it_was(tmp_path):
-    """Checkpoints every 3 steps; the step-9 one removed, ``--resume`` continues from step 6 with the same
-    batches, optimizer state and learning rate: steps 7-9 repeat the first run's losses."""
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _launch(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*LAUNCH, *args], cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=600)
+
+
+def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_was(tmp_path):
+    """Checkpoints every 3 steps. Launched again without --resume: refused in one line, every file as it
+    was. The step-9 checkpoint truncated: --resume says it skipped it and why, and continues from step 6
+    with the same batches, optimizer state and learning rate (steps 7-9 repeat the first run's losses).
+    --overwrite then starts over, the earlier checkpoints moved aside intact."""
     ckpt = tmp_path / "ckpt"
     common = ["tiny-llama-cpu", "--no-audit", "steps=9", "log_interval=1", f"checkpoint.dir={ckpt}",
               "checkpoint.interval=3"]
-    first = subprocess.run([*LAUNCH, *common, "--run-dir", str(tmp_path / "a")], cwd=ROOT, env=user_env(),
-                           capture_output=True, text=True, timeout=600)
+    first = _launch(*common, "--run-dir", str(tmp_path / "a"))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     saved = sorted(p.name for p in ckpt.iterdir())
     assert saved == ["step_00000003", "step_00000006", "step_00000009"], saved
-    import shutil
-    shutil.rmtree(ckpt / "step_00000009")
-    second = subprocess.run([*LAUNCH, *common, "--resume", "--run-dir", str(tmp_path / "b")], cwd=ROOT,
-                            env=user_env(), capture_output=True, text=True, timeout=600)
+    before = _files(ckpt)
+    again = _launch(*common, "--run-dir", str(tmp_path / "b"))
+    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr[-3000:]
+    assert "already holds the checkpoints of an earlier run (steps 3, 6, 9)" in again.stderr
+    assert "pass --resume" in again.stderr and "--overwrite" in again.stderr
+    assert _files(ckpt) == before and not (tmp_path / "b").exists()
+    shard = ckpt / "step_00000009" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    second = _launch(*common, "--resume", "--run-dir", str(tmp_path / "b"))
     assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert "resumed from step 6" in second.stdout
+    assert f"--resume: skipped {ckpt / 'step_00000009'}" in second.stdout and "truncated" in second.stdout
+    assert "resumed from step 6" in second.stdout and "Traceback" not in second.stderr
     losses = {r["step"]: r["loss"] for r in _records(tmp_path / "a" / "metrics.jsonl") if "loss" in r}
     resumed = {r["step"]: r["loss"] for r in _records(tmp_path / "b" / "metrics.jsonl") if "loss" in r}
     assert sorted(resumed) == [7, 8, 9]
     assert all(abs(resumed[s] - losses[s]) < 1e-5 for s in resumed), (resumed, losses)
+    before = _files(ckpt)
+    third = _launch(*common, "steps=0", "--overwrite", "--run-dir", str(tmp_path / "b"))
+    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.replaced-")]
+    assert len(aside) == 1 and _files(aside[0]) == before and not ckpt.exists()
+    assert f"moved the earlier run's checkpoints (steps 3, 6, 9) to {str(aside[0])!r}" in third.stdout
+    assert _records(tmp_path / "b" / "metrics.jsonl") == [{"event": "done", "step": 0}]
+
+
+def test_kill_9_then_resume_holds_each_step_once_and_records_the_resume(tmp_path):
+    """kill -9 part-way, then --resume into the same run directory: the steps logged after the restored
+    checkpoint are dropped and trained again, so each step is in metrics.jsonl once, after a resume record."""
+    ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    common = ["tiny-llama-cpu", "--no-audit", "log_interval=1", f"checkpoint.dir={ckpt}", "checkpoint.interval=3",
+              "model.overrides.num_hidden_layers=2", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen([*LAUNCH, *common, "steps=100000"], cwd=ROOT, env=user_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 420
+        while max([r["step"] for r in _records(run_dir / "metrics.jsonl") if "loss" in r], default=0) < 8:
+            assert proc.poll() is None and time.time() < deadline
+            time.sleep(0.2)
+    finally:
+        proc.kill()                                # SIGKILL: no handler runs
+        proc.wait()
+    newest = CheckpointRoot(str(ckpt)).steps()[-1]
+    assert newest >= 6
+    resumed = _launch(*common, f"steps={newest + 3}", "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    records = _records(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, newest + 4))
+    marks = [r for r in records if r.get("event") == "resume"]
+    assert len(marks) == 1 and marks[0]["step"] == newest and marks[0]["from"].endswith(f"step_{newest:08d}")
+    at = records.index(marks[0])
+    assert all(r["step"] <= newest for r in records[:at]) and all(r["step"] > newest for r in records[at + 1:])
+    assert records[-1] == {"event": "done", "step": newest + 3}
+
+
+def test_rewinding_metrics_drops_later_steps_and_a_torn_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": s, "loss": 1.0}) for s in (1, 2, 3, 4)] + [json.dumps({"event": "checkpoint", "step": 3})]
+    path.write_text("\n".join(lines) + '\n{"step": 5, "lo')          # the last line cut by a kill
+    assert rewind_metrics(path, 3, "ckpt/step_00000003") == 2
+    assert _records(path) == [{"step": 1, "loss": 1.0}, {"step": 2, "loss": 1.0}, {"step": 3, "loss": 1.0},
+                              {"event": "checkpoint", "step": 3},
+                              {"event": "resume", "step": 3, "from": "ckpt/step_00000003", "dropped": 2}]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+
+
+def test_an_earlier_runs_metrics_alone_also_need_a_flag(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    earlier = EarlierRun(None, tmp_path)
+    with pytest.raises(LaunchError, match="already holds the metrics.jsonl of an earlier run: pass --resume"):
+        earlier.check(resume=False, overwrite=False)
+    with pytest.raises(LaunchError, match="pass one of them"):
+        earlier.check(resume=True, overwrite=True)
+    earlier.check(resume=True, overwrite=False)
+    moved = earlier.move_aside()
+    assert len(moved) == 1 and not (tmp_path / "metrics.jsonl").exists()
+    assert [p.name.startswith("metrics.jsonl.replaced-") for p in tmp_path.iterdir()] == [True]
+    EarlierRun(None, tmp_path).check(resume=False, overwrite=False)
 
 
 def test_resume_needs_a_checkpoint_directory_that_holds_one(tmp_path):

@@ -33,10 +33,18 @@ def test_links_and_anchors_resolve():
             assert (ROOT / target).exists(), f"README links to a missing path {target}"
 
 
+def ignored_top_level() -> set[str]:
+    """Top-level names ``.gitignore`` lists: what the jobs write into a checkout (``runs/``, ``.venv``)."""
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    return {line.strip().rstrip("/") for line in lines if line.strip() and not any(c in line for c in "*#!")
+            and "/" not in line.strip().rstrip("/")}
+
+
 def repo_paths_in_code_spans() -> list[str]:
     """Code spans that name something in the repository: their first segment is a top-level entry
-    (``recipes/``, ``xla_tp/launch/fit.py``, ``setup.py``), or they climb out of it (``../x``)."""
-    top = {p.name for p in ROOT.iterdir()}
+    (``recipes/``, ``xla_tp/launch/fit.py``, ``setup.py``), or they climb out of it (``../x``). What the
+    jobs write into the checkout (``runs/RECIPE-TIME`` after the demo) is not the repository's."""
+    top = {p.name for p in ROOT.iterdir()} - ignored_top_level()
     spans = re.findall(r"`([^`\s]+)`", README)
     return [s for s in spans if s.startswith("../") or (s.split("/")[0] in top and ("/" in s or "." in s))]
 
@@ -47,6 +55,21 @@ def test_every_path_the_readme_names_exists():
     missing = [p for p in paths if not (ROOT / p.rstrip("/")).resolve().is_relative_to(ROOT)
                or not (ROOT / p.rstrip("/")).exists()]
     assert not missing, f"README names paths that are not in the repository: {missing}"
+
+
+def test_outputs_of_the_jobs_are_not_repository_paths():
+    assert {"runs", ".venv", "build", "dist"} <= ignored_top_level()
+    assert "runs/RECIPE-TIME" in README and "runs/RECIPE-TIME" not in repo_paths_in_code_spans()
+
+
+def test_ci_runs_the_readme_commands_in_the_readmes_order():
+    """The quick start's commands, one after the other in one checkout (the demo writes runs/ first)."""
+    quick = README.split("## Quick start", 1)[1]
+    commands = [line.split("#")[0].strip() for line in blocks("bash")[0].splitlines() if line.strip()]
+    assert blocks("bash")[0] in quick and commands == ["bash scripts/dev.sh demo", "bash scripts/dev.sh test"]
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.strip().startswith("bash ")]
+    assert ci == commands
 
 
 def test_the_layout_block_matches_the_tree():

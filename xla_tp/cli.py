@@ -7,16 +7,58 @@
 A model is a name from ``xla_tp.zoo.registry`` (built with ``registry.build``, run on
 ``registry.example_input``) or a path to an HF ``config.json``; the plan is ``plan_for``'s. The CLI is
 its own process, so it sets ``XLA_DUMP_POST_OPTIMIZATIONS=1`` (and, on CPU, as many devices as the
-mesh needs) before torch_xla starts: the audit reads the device compiler's own program.
+mesh needs) before torch_xla starts: the audit reads the device compiler's own program. Bad input
+(an unknown axis, ``--batch 0``, a file that is not a config) is one line on stderr saying what to
+do, with exit status 2; xla_tp's warnings are one line each.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import sys
-from typing import Any, Optional
+import warnings
+from typing import Any, Iterator, NoReturn, Optional
+
+from .errors import MeshError, PlanError
+
+BAD_INPUT = 2
+
+
+class UsageError(ValueError):
+    """A command-line value xla-tp cannot use; printed as one line, exit status 2."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (no usage block) and exit status 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"{self.prog}: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(BAD_INPUT)
+
+
+def fail(command: str, error: BaseException) -> int:
+    """Print ``error`` on stderr as one line, ``xla-tp COMMAND: ...``; the bad-input status (2)."""
+    print(f"xla-tp {command}: {' '.join(str(error).split())}", file=sys.stderr)
+    return BAD_INPUT
+
+
+@contextlib.contextmanager
+def one_line_warnings(command: str) -> Iterator[None]:
+    """Within the block, warnings print as one line (xla_tp's as ``xla-tp COMMAND: warning: ...``)."""
+    def formatted(message: Any, category: type, filename: str, lineno: int, line: Optional[str] = None) -> str:
+        text = " ".join(str(message).split())
+        if text.startswith("xla_tp: "):
+            return f"xla-tp {command}: warning: {text[len('xla_tp: '):]}\n"
+        return f"{category.__name__}: {text}\n"
+    saved = warnings.formatwarning
+    warnings.formatwarning = formatted
+    try:
+        yield
+    finally:
+        warnings.formatwarning = saved
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -24,15 +66,22 @@ def parse_mesh(text: str) -> dict[str, int]:
     axes = {}
     for item in filter(None, text.split(",")):
         name, _, size = item.partition("=")
-        if not size.isdigit():
-            raise SystemExit(f"--mesh: {item!r} is not name=size (e.g. data=2,model=4)")
+        if not size.isdigit() or int(size) < 1:
+            raise MeshError(f"--mesh: {item!r} is not name=size with a positive size (e.g. --mesh data=2,model=4)")
         axes[name.strip()] = int(size)
     return axes
 
 
+def quiet_xla_warnings() -> None:
+    """XLA's C++ warnings (``GSPMD ... deprecated``) off in the CLI's process before the runtime starts,
+    unless asked for (``TF_CPP_MIN_LOG_LEVEL=0``): importing torch_xla sets the level to 1 when unset."""
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+
+
 def _prepare_env(axes: dict[str, int]) -> None:
     os.environ.setdefault("XLA_DUMP_POST_OPTIMIZATIONS", "1")
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet_xla_warnings()
     if os.environ.setdefault("PJRT_DEVICE", "CPU") == "CPU" and axes:
         os.environ.setdefault("CPU_NUM_DEVICES", str(math.prod(axes.values())))
 
@@ -40,25 +89,30 @@ def _prepare_env(axes: dict[str, int]) -> None:
 def load_model(name: str, batch: int, seq: int) -> tuple[Any, Any]:
     """(CPU model, example batch) for a registry name or a path to an HF ``config.json``.
 
-    ``load_model("llama", 4, 16)[1].shape == (4, 16)``; an unknown name exits listing the known ones.
+    ``load_model("llama", 4, 16)[1].shape == (4, 16)``; an unknown name or a file that is not a
+    config raises ``UsageError`` saying what to pass.
     """
     from .zoo import registry
     if os.path.exists(name):
-        model = registry.from_config_path(name)
+        try:
+            model = registry.from_config_path(name)
+        except (OSError, ValueError, KeyError) as error:
+            raise UsageError(f"{name}: not a Hugging Face config.json ({str(error).strip().splitlines()[0]}); "
+                             f"pass a zoo model name (e.g. llama) or the path of a config.json") from None
     else:
         try:
             model = registry.build(name)
         except KeyError as error:  # unknown name: the message lists the known ones
-            raise SystemExit(f"xla-tp: {error.args[0]}") from None
+            raise UsageError(error.args[0]) from None
     return model, registry.example_input(name, batch=batch, seq=seq)
 
 
 def _mesh_and_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """(mesh, CPU model, example batch) from the command line's ``--mesh``, model, ``--batch``, ``--seq``."""
     import xla_tp
+    model, batch = load_model(args.model, args.batch, args.seq)   # a bad model name fails before the runtime starts
     axes = parse_mesh(args.mesh)
-    mesh = xla_tp.make_mesh(**axes) if axes else xla_tp.make_mesh()
-    return (mesh, *load_model(args.model, args.batch, args.seq))
+    return xla_tp.make_mesh(**axes) if axes else xla_tp.make_mesh(), model, batch
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
@@ -83,7 +137,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="xla-tp", description=__doc__.split("\n")[0])
+    parser = OneLineParser(prog="xla-tp", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, func, text in (("audit", cmd_audit, "audit the partitioned program"),
                              ("plan", cmd_plan, "print the plan 'auto' would use")):
@@ -110,8 +164,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return args.func(args)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    _prepare_env(parse_mesh(args.mesh))
-    return args.func(args)
+    try:
+        for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+            if value < 1:
+                raise UsageError(f"{flag} {value}: pass a positive number (e.g. {flag} 4)")
+        _prepare_env(parse_mesh(args.mesh))
+        with one_line_warnings(args.command):
+            return args.func(args)
+    except (UsageError, PlanError, MeshError) as error:
+        return fail(args.command, error)
 
 
 if __name__ == "__main__":

@@ -23,5 +23,14 @@ class OptimizerError(ValueError):
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that does not fit the model (names, shapes) or cannot be read or written.
-    Raised before the model or optimizer is touched."""
+    """A checkpoint that does not fit the model (names, shapes), is damaged (a file missing, truncated
+    or altered: the message names it), or cannot be read or written (a full disk says so). A load
+    raises it with the model and optimizer exactly as they were; a save, with nothing left behind.
+
+    Example::
+
+        try:
+            xla_tp.load_checkpoint("ckpt/step_00000100", model, opt)
+        except CheckpointError as e:
+            print(e)   # ... __0_0.distcp is 1,024 bytes, 2,048 when saved (truncated); nothing was loaded ...
+    """

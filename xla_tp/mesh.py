@@ -27,19 +27,58 @@ from .errors import MeshError
 _runtime_ready = False
 
 
+LATE_SPMD = ("the XLA device was used before SPMD was on (an XLA tensor was created or torch_xla.device() "
+             "was called before xla_tp was imported): torch_xla 2.9 cannot switch a running process to SPMD "
+             "then (its next computation crashes). Import xla_tp (or call torch_xla.runtime.use_spmd()) before "
+             "the first XLA tensor or torch_xla.device() call, e.g. at the top of the script")
+
+
+def spmd_config_locked() -> bool:
+    """True once torch_xla has fixed its devices (the first XLA tensor or ``torch_xla.device()`` call)."""
+    return torch_xla._XLAC._xla_get_spmd_config_is_locked()
+
+
+def turn_spmd_on_early() -> None:
+    """Turn SPMD on now if torch_xla has not fixed its devices yet (run when xla_tp is imported).
+
+    torch_xla fixes which device ``xla:0`` means at the first XLA tensor or ``torch_xla.device()``
+    call; SPMD turned on after that leaves new tensors on a real device that the SPMD executor
+    cannot run (a segmentation fault). Turning it on at import costs nothing (it sets an
+    environment variable) and makes torch's order work: ``import xla_tp``, ``model.to(device)``,
+    then ``make_mesh``. Example::
+
+        turn_spmd_on_early()
+        torch_xla.runtime.is_spmd()   # True unless the device was used before
+    """
+    if not xr.is_spmd() and not spmd_config_locked():
+        xr.use_spmd()
+
+
 def ensure_runtime() -> None:
     """Turn SPMD on and execute one tiny XLA computation, once per process.
 
     The computation avoids the CPU-backward trap (README, "torch_xla behaviours"): a CPU backward that runs
-    before the XLA runtime has executed anything breaks every later XLA backward.
+    before the XLA runtime has executed anything breaks every later XLA backward. A process whose XLA
+    device was used before SPMD was on cannot switch: ``MeshError`` says what to do, before anything runs.
     """
     global _runtime_ready
     if _runtime_ready:
         return
     if not xr.is_spmd():
+        if spmd_config_locked():
+            raise MeshError(LATE_SPMD)
         xr.use_spmd()
-    (torch.ones(1, device=torch_xla.device()) * 2).cpu()
+    try:
+        probe = torch.ones(1, device=torch_xla.device())
+    except RuntimeError as error:   # SPMD's variable set by hand after the device was fixed
+        raise MeshError(LATE_SPMD) from error
+    if not torch_xla._XLAC._xla_get_device_hw_type(probe).startswith("SPMD"):
+        raise MeshError(LATE_SPMD)
+    (probe * 2).cpu()
     _runtime_ready = True
+
+
+turn_spmd_on_early()
 
 
 def device_count() -> int:

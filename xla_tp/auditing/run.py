@@ -18,6 +18,7 @@ partitioned program comes from ``capture_partitioned_hlo``: torch_xla's own comp
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from typing import Any, Callable, Optional, Union
 
@@ -29,6 +30,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
+from ..axes import batch_axes, batch_ways
 from ..lowering import scope
 from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
@@ -53,7 +55,23 @@ def audit(module_or_fn: Target, *example_args: Any, mesh: MeshLike = None, backw
         model = xla_tp.parallelize_xla(model, plan, mesh=mesh)
         print(xla_tp.audit(model, x, mesh=mesh))
     """
-    return audit_here(module_or_fn, example_args, to_xs_mesh(mesh), backward, plan_layout)
+    xmesh = to_xs_mesh(mesh)
+    _warn_uneven_batch(example_args, xmesh)
+    return audit_here(module_or_fn, example_args, xmesh, backward, plan_layout)
+
+
+def _warn_uneven_batch(args: tuple, xmesh: Any) -> None:
+    """Warn when the batch (dim 0 of the first tensor argument) does not divide over the mesh's batch
+    axes: XLA then pads or replicates it, and the report measures that program, not an even batch's."""
+    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    axes, shards = batch_axes(sizes), batch_ways(sizes)
+    first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim()), None)
+    if first is None or first.shape[0] % shards == 0:
+        return
+    over = ",".join(f"{a}={sizes[a]}" for a in axes)
+    warnings.warn(f"xla_tp: batch {first.shape[0]} does not divide over {over}: XLA pads or replicates it, so "
+                  f"the audit's compute balance and communication are not those of an even batch; use a batch "
+                  f"that is a multiple of {shards}", stacklevel=3)
 
 
 def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,

@@ -1,7 +1,9 @@
 """``save_checkpoint``: sharded state of a model (and optimizer) through ``torch.distributed.checkpoint``.
 
 Each device's shard is written as it is (torch_xla's ``SPMDSavePlanner``): no tensor is gathered
-whole on the host. The checkpoint directory appears only once complete (``store.CheckpointRoot``).
+whole on the host. The checkpoint directory appears only once complete (``store.CheckpointRoot``),
+its marker recording every file's size and SHA-256 (``integrity``). A save that fails (a full disk
+included) leaves nothing and raises ``CheckpointError``; older checkpoints stay as they were.
 ``async_save=True`` copies the shards to host memory before returning and writes them in a
 background thread, so the next training step runs while the files are written. Example::
 
@@ -25,15 +27,18 @@ import torch.distributed.checkpoint as dcp
 import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan
 from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 from torch_xla.experimental.distributed_checkpoint._helpers import _cpu_shards_from_tensors, _is_sharded_tensor
 
+from ..errors import CheckpointError
+from .integrity import RecordingWriter, disk_full, reason
 from .layout import model_state, optimizer_state
 from .store import CheckpointRoot
 
 log = logging.getLogger(__name__)
-FORMAT = 1
+FORMAT = 2  # 2: the marker records each file's size and SHA-256
 _writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="xla_tp-checkpoint")  # saves stay in order
 
 
@@ -61,7 +66,6 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
         xla_tp.save_checkpoint("ckpt", model, opt, step=10)    # -> "ckpt/step_00000010"
     """
     if keep is not None and (not isinstance(keep, int) or keep < 1):
-        from ..errors import CheckpointError
         raise CheckpointError(f"keep={keep!r}: pass a positive number of checkpoints to keep, or None for all")
     root = CheckpointRoot(path)
     if step is None:
@@ -82,17 +86,40 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
 
 
 def _write(flat: dict, root: CheckpointRoot, tmp: str, step: int, info: dict, keep: Optional[int]) -> str:
+    """Write ``flat`` into ``tmp`` and commit it as step ``step``, recording every file's size and
+    SHA-256 in the marker; on any failure remove ``tmp`` (older checkpoints stay as they were) and
+    raise ``CheckpointError`` (saying so when the disk is full)."""
     start = time.perf_counter()
+    writer = RecordingWriter(tmp)
     try:
-        dcp.save(flat, storage_writer=_writer_for(tmp), planner=_SavePlanner(), no_dist=not dist.is_initialized())
-        if dist.is_initialized():
-            dist.barrier()
-        final = root.commit(tmp, step, info, keep) if _coordinator() else root.step_dir(step)
-    except BaseException:
+        dcp.save(flat, storage_writer=writer, planner=_SavePlanner(), no_dist=not dist.is_initialized())
+        files = _all_records(writer)
+        final = root.commit(tmp, step, {**info, "files": files}, keep) if _coordinator() else root.step_dir(step)
+    except BaseException as error:
         root.abort(tmp)
+        if isinstance(error, (Exception, CheckpointException)):
+            raise _save_failed(root, step, error, writer) from error
         raise
     log.info("xla_tp: saved step %d to %s in %.1f s", step, final, time.perf_counter() - start)
     return final
+
+
+def _all_records(writer: RecordingWriter) -> dict:
+    """Size and SHA-256 of every file of the checkpoint, from every process (after all have written)."""
+    if not dist.is_initialized():
+        return writer.records()
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, writer.records())
+    return {name: record for records in gathered for name, record in records.items()}
+
+
+def _save_failed(root: CheckpointRoot, step: int, error: BaseException, writer: RecordingWriter) -> CheckpointError:
+    kept = f"nothing of step {step} was kept and the checkpoints already in {root.path!r} are intact"
+    full = disk_full(error, writer)
+    if full is not None:
+        return CheckpointError(f"disk full (ENOSPC) while writing {full} of step {step} to {root.path!r}: {kept}. "
+                               f"Free space there (or save to another disk, or keep fewer checkpoints) and save again")
+    return CheckpointError(f"saving step {step} to {root.path!r} failed ({reason(error)}): {kept}")
 
 
 class _SavePlanner(SPMDSavePlanner):
@@ -114,12 +141,6 @@ class _SavePlanner(SPMDSavePlanner):
                 seen.add(key)
                 items.append(item)
         return dataclasses.replace(plan, items=items)
-
-
-def _writer_for(path: str) -> dcp.FileSystemWriter:
-    # per_thread_copy_ahead=0: the overlapping loader is for CUDA streams, and it breaks when another
-    # backend owns PrivateUse1 (torchax does, and xs.mark_sharding imports torchax when installed).
-    return dcp.FileSystemWriter(path, per_thread_copy_ahead=0)
 
 
 def _pickled(obj: Any) -> bytes:

@@ -1,24 +1,24 @@
 """Checkpoints in a launched run: every ``checkpoint.interval`` steps, on a stop, and ``--resume``.
 
 Saves go through ``xla_tp.save_checkpoint`` (sharded, atomic: a save killed half-way never looks
-like a checkpoint, the newest ``checkpoint.keep`` are kept). ``--resume`` loads the newest complete
-checkpoint under ``checkpoint.dir`` onto this run's mesh (any mesh: checkpoints reshard) and returns
-its step; batches depend only on the seed and the step, and the learning-rate schedule is advanced to
+like a checkpoint, the newest ``checkpoint.keep`` are kept). ``--resume`` loads the newest checkpoint
+under ``checkpoint.dir`` that verifies (a damaged one is skipped, saying why) onto this run's mesh
+(any mesh: checkpoints reshard) and returns its step; batches depend only on the seed and the step, and the learning-rate schedule is advanced to
 it, so a resumed run continues where the saved one was. Example::
 
     saver = Checkpoints(recipe)
-    start = saver.resume(model, optimizer, schedule) if resume else 0
+    start, source = saver.resume(model, optimizer, schedule) if resume else (0, None)
     saver.after_step(model, optimizer, step, stopping=False)
 """
 from __future__ import annotations
 
-import os
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 import xla_tp
+from xla_tp.checkpoint.store import CheckpointRoot
 
 from .recipe import Recipe
 from .schema import LaunchError
@@ -33,17 +33,26 @@ class Checkpoints:
             raise LaunchError("--resume needs checkpoint.dir: the directory the earlier run saved into")
         self.dir, self.interval, self.keep = spec.dir, spec.interval, spec.keep
 
-    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any) -> int:
-        """Load the newest complete checkpoint; the step it was saved at."""
-        if not os.path.isdir(self.dir):
+    def resume(self, model: nn.Module, optimizer: torch.optim.Optimizer, schedule: Any,
+               say: Callable[[str], None] = print) -> tuple[int, str]:
+        """Load the newest checkpoint that verifies, saying which newer ones were skipped and why;
+        ``(step, directory)``. A checkpoint that fails leaves the model and optimizer as they were."""
+        root = CheckpointRoot(self.dir)
+        steps = root.steps()
+        if not steps:
             raise LaunchError(f"--resume: {self.dir!r} holds no checkpoint (start without --resume)")
-        try:
-            step = xla_tp.load_checkpoint(self.dir, model, optimizer)
-        except xla_tp.CheckpointError as error:
-            raise LaunchError(f"--resume from {self.dir!r}: {error}") from None
-        for _ in range(step or 0):
-            schedule.step()
-        return step or 0
+        for step in reversed(steps):
+            directory = root.step_dir(step)
+            try:
+                xla_tp.load_checkpoint(directory, model, optimizer)
+            except xla_tp.CheckpointError as error:
+                say(f"--resume: skipped {directory}: {error}")
+                continue
+            for _ in range(step):
+                schedule.step()
+            return step, directory
+        raise LaunchError(f"--resume: none of the {len(steps)} checkpoint(s) in {self.dir!r} could be loaded "
+                          f"(each skipped above, with why); start over with --overwrite")
 
     def after_step(self, model: nn.Module, optimizer: torch.optim.Optimizer, step: int, stopping: bool) -> bool:
         """Save at every ``interval``-th step, and when the run stops early; True if it saved."""

@@ -26,29 +26,46 @@ IGNORE = -100        # target id F.cross_entropy skips
 MASK_FRACTION = 0.15
 
 
+def check_data(spec: DataSpec, vocab: int, seq_len: int, task: str) -> None:
+    """The recipe's data, checked without reading it all (a dry run checks it too): the file exists and
+    is of its kind, a byte corpus fits the vocabulary, and it is longer than one window. ``LaunchError``
+    naming ``data.path`` and what to change otherwise."""
+    if spec.kind == "synthetic":
+        return
+    if spec.kind == "text" and _limit(vocab, task) < 256:
+        raise LaunchError(f"data.kind text reads bytes (ids 0-255) but the model's vocabulary is {vocab}"
+                          f"{' with the last id as the mask' if task == 'masked-lm' else ''}; set "
+                          f"model.overrides.vocab_size >= {256 + (task == 'masked-lm')}")
+    path = _path(spec)
+    if spec.kind == "text":
+        length = path.stat().st_size
+    else:
+        try:
+            tokens = np.load(path, mmap_mode="r")
+        except (ValueError, OSError) as error:
+            raise LaunchError(f"data.path {spec.path}: not a .npy array of token ids ({error})") from None
+        if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+            raise LaunchError(f"data.path {spec.path}: a tokens file is a 1-D integer .npy array, got "
+                              f"{tokens.dtype} {tokens.shape}")
+        length = len(tokens)
+    if length <= seq_len + 1:
+        raise LaunchError(f"data.path {spec.path}: {length} tokens, fewer than seq_len + 2 = {seq_len + 2}; "
+                          f"use a longer file or a shorter seq_len")
+
+
 class Batches:
     """``get(step)`` -> ``(inputs, targets)``, both ``[batch, seq_len]`` int64 on the CPU."""
 
     def __init__(self, spec: DataSpec, vocab: int, batch: int, seq_len: int, seed: int, task: str):
+        check_data(spec, vocab, seq_len, task)
         self.kind, self.vocab, self.batch, self.seq_len, self.seed, self.task = (
             spec.kind, vocab, batch, seq_len, seed, task)
-        limit = vocab - 1 if task == "masked-lm" else vocab   # masked-lm reserves the last id as the mask
+        self.limit = _limit(vocab, task)
         self.corpus = None
         if spec.kind == "text":
-            if limit < 256:
-                raise LaunchError(f"data.kind text reads bytes (ids 0-255) but the model's vocabulary is {vocab}"
-                                  f"{' with the last id as the mask' if task == 'masked-lm' else ''}; set "
-                                  f"model.overrides.vocab_size >= {256 + (task == 'masked-lm')}")
             self.corpus = np.frombuffer(_path(spec).read_bytes(), dtype=np.uint8)
         elif spec.kind == "tokens":
             self.corpus = np.load(_path(spec), mmap_mode="r")
-            if self.corpus.ndim != 1 or not np.issubdtype(self.corpus.dtype, np.integer):
-                raise LaunchError(f"data.path {spec.path}: a tokens file is a 1-D integer .npy array, got "
-                                  f"{self.corpus.dtype} {self.corpus.shape}")
-        self.limit = limit
-        if self.corpus is not None and len(self.corpus) <= seq_len + 1:
-            raise LaunchError(f"data.path {spec.path}: {len(self.corpus)} tokens, fewer than seq_len + 2 = "
-                              f"{seq_len + 2}; use a longer file or a shorter seq_len")
 
     def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         rng = np.random.default_rng([self.seed, step])
@@ -69,6 +86,11 @@ class Batches:
         targets = torch.where(hidden, inputs, torch.full_like(inputs, IGNORE))
         inputs[hidden] = self.vocab - 1
         return inputs, targets
+
+
+def _limit(vocab: int, task: str) -> int:
+    """Ids a batch may hold: masked-lm reserves the last one as the mask."""
+    return vocab - 1 if task == "masked-lm" else vocab
 
 
 def _path(spec: DataSpec):

@@ -1,16 +1,20 @@
-"""``xla-tp launch RECIPE [--topology NAME] [--dry-run] [--print-commands] [--check] [key=value ...]``.
+"""``xla-tp launch RECIPE [--topology NAME] [--dry-run] [--print-commands] [--check] [--resume | --overwrite] [key=value ...]``.
 
 Steps, in order; nothing heavy happens before the fit check:
 
 1. read the recipe (``key=value`` overrides applied) and the topology; check the mesh and batch;
 2. ``--print-commands``: print the per-worker commands of the slice and stop;
-3. build the model on ``meta``, plan it on the mesh, estimate memory per chip and print the table;
+3. a real run whose ``checkpoint.dir`` or ``--run-dir`` holds an earlier run's checkpoints or
+   metrics continues it (``--resume``), moves its files aside (``--overwrite``), or is refused
+   (exit 2) saying which flag to pass (``rerun``);
+4. build the model on ``meta``, plan it on the mesh, estimate memory per chip and print the table;
    a run that will not fit is refused (exit 3) with the numbers and what would make it fit;
-4. print the plan's summary (what the audit reports about parameters, from the plan);
-5. ``--dry-run`` stops here: nothing allocated, nothing compiled. A dry run emulates the slice's
+5. print the plan's summary (what the audit reports about parameters, from the plan);
+6. ``--dry-run`` stops here: nothing allocated, nothing compiled. A dry run emulates the slice's
    chips on the CPU, so it runs anywhere (a laptop, one worker of a multi-host slice);
-6. otherwise: build the model on the CPU, optionally ``--check`` one step against it unsharded,
-   parallelize, audit the compiled forward, and train with progress, JSONL metrics and clean stops.
+7. otherwise: build the model on the CPU, optionally ``--check`` one step against it unsharded,
+   parallelize, audit the compiled forward, and train with progress, JSONL metrics and clean stops;
+   ``--resume`` loads the newest checkpoint that verifies, skipping damaged ones and saying why.
 
 Exit status: 0 done, 1 ``--check`` failed, 2 bad input, 3 will not fit, 130 stopped by Ctrl-C/SIGTERM.
 Example::
@@ -27,12 +31,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..cli import fail, quiet_xla_warnings
 from ..errors import MeshError, PlanError
 from .recipe import DEFAULT_RECIPE, check_for_topology, load_recipe
+from .rerun import EarlierRun
 from .schema import LaunchError
 from .topology import Topology, load_topology
 
-BAD_INPUT, DOES_NOT_FIT, INTERRUPTED = 2, 3, 130
+DOES_NOT_FIT, INTERRUPTED = 3, 130
 
 
 def add_parser(sub: Any) -> None:
@@ -49,7 +55,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--print-commands", action="store_true", help="print the command of every TPU VM worker")
     p.add_argument("--check", action="store_true", help="compare one step with the unsharded CPU model first")
     p.add_argument("--no-audit", action="store_true", help="skip the compiled-program audit before training")
-    p.add_argument("--resume", action="store_true", help="resume from the newest complete checkpoint in checkpoint.dir")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run whose checkpoints are in checkpoint.dir, from the newest that verifies")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start over where an earlier run left checkpoints or metrics (they are moved aside)")
     p.add_argument("--run-dir", type=Path, help="where metrics.jsonl goes (default runs/RECIPE-TIME)")
     p.add_argument("--tpu-name", default='"$TPU_NAME"', help="TPU name for --print-commands")
     p.add_argument("--zone", default='"$ZONE"', help="zone for --print-commands")
@@ -76,8 +85,7 @@ def launch(args: argparse.Namespace) -> int:
     try:
         return _launch(args)
     except (PlanError, MeshError) as error:   # LaunchError is a PlanError
-        print(f"xla-tp launch: {error}", file=sys.stderr)
-        return BAD_INPUT
+        return fail("launch", error)
     except KeyboardInterrupt:                 # a second Ctrl-C during a step, or one before training
         print("xla-tp launch: interrupted", file=sys.stderr)
         return INTERRUPTED
@@ -92,9 +100,15 @@ def _launch(args: argparse.Namespace) -> int:
         from .commands import worker_commands
         print("\n".join(worker_commands(recipe_arg, topology, overrides, args.tpu_name, args.zone, args.workdir)))
         return 0
+    earlier = EarlierRun(Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else None, args.run_dir)
+    if not args.dry_run:
+        earlier.check(args.resume, args.overwrite)
     prepare_env(topology, args.dry_run)
     from .session import Session
     session = Session(recipe, topology, axes)
+    if not args.dry_run and args.overwrite and session.process_index == 0:
+        for line in earlier.move_aside():
+            session.say(line)
     if not session.plan_and_fit():
         return DOES_NOT_FIT
     if args.dry_run:
@@ -113,7 +127,7 @@ def prepare_env(topology: Topology, dry_run: bool) -> None:
     without one (the run is then refused after the fit check).
     """
     os.environ.setdefault("XLA_DUMP_POST_OPTIMIZATIONS", "1")   # the audit reads the partitioned program
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    quiet_xla_warnings()
     if topology.is_tpu and not dry_run and os.environ.get("PJRT_DEVICE") == "TPU":
         return
     os.environ.update(topology.env)

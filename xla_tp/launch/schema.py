@@ -130,8 +130,13 @@ def find_yaml(name_or_path: Union[str, Path], directory: Path, kind: str) -> Pat
 
 
 def read_yaml(path: Path) -> Any:
-    """The YAML document in ``path``; LaunchError naming the file when it does not parse."""
+    """The YAML document in ``path``; LaunchError naming the file when it is not YAML text."""
     try:
-        return yaml.safe_load(path.read_text())
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as error:
+        raise LaunchError(f"{path}: not a YAML text file (byte {error.start} is not UTF-8 text); pass a recipe "
+                          f"written as YAML") from None
     except yaml.YAMLError as error:
-        raise LaunchError(f"{path}: not valid YAML: {error}") from None
+        mark = getattr(error, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise LaunchError(f"{path}: not valid YAML{where}: {getattr(error, 'problem', None) or error}") from None

@@ -26,12 +26,13 @@ import xla_tp
 from ..axes import AXIS_ORDER
 from .check import compare_one_step
 from .checkpoints import Checkpoints
-from .data import Batches
+from .data import Batches, check_data
 from .fit import BYTES, FitReport, FitSettings, estimate, human, suggest
 from .model import ModelShape, build_model, hf_config, model_shape
 from .plans import PlanInput, PlannedSpecs, plan_input, plan_specs
 from .progress import Reporter
 from .recipe import PRECISIONS, Recipe
+from .rerun import rewind_metrics
 from .schema import LaunchError
 from .topology import Topology
 from .train import Loop, causal_or_masked_loss, flops_per_token, make_optimizer, to_device
@@ -51,6 +52,7 @@ class Session:
                               f"max_position_embeddings or lower seq_len")
         self.dtype = getattr(torch, PRECISIONS[recipe.precision])
         self.plan = plan_input(recipe)
+        check_data(recipe.data, self.shape.vocab, recipe.seq_len, recipe.model.task)   # before the runtime starts
         self.mesh = xla_tp.make_mesh(**axes)
         self.process_index = xr.process_index() if process_index is None else process_index
         self.reporter = Reporter(None, self.process_index)
@@ -109,11 +111,16 @@ class Session:
             inputs, _ = batches.get(0)
             self.say(str(xla_tp.audit(model, to_device(inputs, self.mesh), mesh=self.mesh)))
         optimizer, schedule = make_optimizer(model, r.optimizer, r.steps)
-        start_step = checkpoints.resume(model, optimizer, schedule) if resume else 0
+        start_step = 0
         if resume:
-            self.say(f"resumed from step {start_step} ({r.checkpoint.dir})")
+            start_step, source = checkpoints.resume(model, optimizer, schedule, self.say)
+            self.say(f"resumed from step {start_step} ({source})")
         if self.reporter.speaks:
             run_dir.mkdir(parents=True, exist_ok=True)
+            if resume:
+                dropped = rewind_metrics(run_dir / "metrics.jsonl", start_step, source)
+                if dropped:
+                    self.say(f"metrics.jsonl: dropped {dropped} record(s) after step {start_step}; they are trained again")
             (run_dir / "recipe.yaml").write_text(yaml.safe_dump(
                 {"recipe": r.path, "topology": t.name, "mesh": self.axes, "steps": r.steps, "batch": r.batch,
                  "seq_len": r.seq_len, "precision": r.precision, "optimizer": vars(r.optimizer)}))
