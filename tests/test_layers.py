@@ -18,7 +18,7 @@ CORE = ("axes", "errors", "plan", "dataflow", "planners", "validate")
 RUNTIME = ("state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
            "backends", "mesh", "report", "loss")
 # what users call: parallelize (torch_xla, JAX), audit, checkpoints, the launcher, the CLI, the model zoo
-FRONT = ("api", "backends.jax", "auditing", "checkpoint", "launch", "cli", "zoo", "__init__")
+FRONT = ("api", "deferred", "backends.jax", "auditing", "checkpoint", "launch", "cli", "zoo", "__init__")
 ADAPTER_PACKAGES = ("torch_xla", "jax", "jaxlib", "torchax")
 MODULES: dict[str, Path] = {}
 

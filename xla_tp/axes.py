@@ -29,6 +29,7 @@ LOGICAL_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("heads", (TP,)),  # attention heads: q/k/v outputs, the output projection's input
     ("kv_heads", (TP,)),  # key/value heads of grouped-query attention
     ("mlp", (TP,)),  # the MLP's intermediate features
+    ("kernel", (TP,)),  # a patch embedding's kernel rows (a convolution over non-overlapping patches)
     ("embed", ()),  # the hidden (residual) dimension: whole on the model axis
     ("param_shard", (FSDP,)),  # FSDP: each parameter's first free dimension that the axis divides
 )

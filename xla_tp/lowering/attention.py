@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from ..axes import mesh_axes, spec_entry
 from . import scope
+from .copies import as_kv_heads
 from .packed import packed_blocks
 
 _FLASH = {"enabled": False}
@@ -86,7 +87,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
 
 def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                 dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA's math with both contractions as einsums (batch and head dims kept)."""
+    """SDPA's math with both contractions as einsums (batch and head dims kept). A key/value block every
+    device holds a copy of (``copies``) is one head per device, each device's query heads reading its own."""
+    heads = as_kv_heads(key)  # one key/value block copied per device: a key/value head each
+    if heads is not key:
+        key, value, enable_gqa = heads, as_kv_heads(value), True
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
     scores = torch.einsum("...qd,...kd->...qk", query, key)

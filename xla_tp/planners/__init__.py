@@ -18,15 +18,19 @@ True
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from torch import nn
 
 from ..axes import canonical_axis, sizes_of
 from ..dataflow.trace import trace
 from ..errors import PlanError
+from .alternatives import Pick
 from .plan import Plan, build_plan
 from .roles import decide
+
+PaddingCheck = Callable[..., str]  # why the model cannot run padded ("" if it can): ``lowering.padding``
 
 __all__ = ["Plan", "plan_for"]
 
@@ -43,27 +47,53 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
-             example_kwargs: Optional[Mapping[str, Any]] = None) -> Plan:
+             example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
+             pick: Optional[Pick] = None, check: Optional[PaddingCheck] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
     ``mesh`` is a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes such as ``{"model": 4}`` (``xla_tp.plan_for``
     also takes None: the global mesh of ``make_mesh``). Without
     ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
-    floats of its first layer's width otherwise). Attention that cannot be split is a ``PlanError``;
-    a weight whose role cannot be determined stays replicated, its reason in ``plan.replicated``.
+    floats of its first layer's width otherwise). A block that cannot be split the optimal way takes
+    the cheapest valid alternative (``plan.choices``); attention nothing splits is computed whole
+    (``plan.whole_attention``); a weight whose role cannot be determined stays replicated, its reason
+    in ``plan.replicated``. ``strict=True`` accepts only the optimum: any of these is a ``PlanError``.
+    ``pick(choice)`` may take another of a block's alternatives than the cheapest (``choice.alternatives``).
+    ``check(model, packings, graph, example_inputs, example_kwargs)`` says why the model cannot run with
+    zero heads added (``lowering.padding``; ``xla_tp.plan_for`` passes it): without it none are added.
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
     graph = trace(model, example_inputs, example_kwargs)
-    roles = decide(graph, tp)
-    plan = build_plan(model, graph, roles)
+    on_meta = any(p.is_meta for p in model.parameters())
+    meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
+    plan = build_plan(model, graph, decide(graph, tp, meta or ("" if check else "no check of the padded model was "
+                                                                "given"), pick, copies=not on_meta))
+    problem = check(model, plan.packings, graph, example_inputs, example_kwargs) if check else ""
+    if problem:  # zero heads were cheapest but the model does not run with them: the next best
+        plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})", pick,
+                                               copies=not on_meta))
     plan.mesh_sizes = sizes_of(mesh)
+    if strict:
+        _require_optimum(model, plan)
     if not plan:
-        raise PlanError(f"plan 'auto' found nothing to split in {type(model).__name__}: "
-                        f"{_first_reasons(plan)}; pass a plan dict instead")
+        warnings.warn(f"xla_tp: plan 'auto' found nothing to split in {type(model).__name__} "
+                      f"({_first_reasons(plan)}): every parameter is replicated", stacklevel=2)
     return plan
+
+
+def _require_optimum(model: nn.Module, plan: Plan) -> None:
+    """``strict=True``: a ``PlanError`` naming what keeps ``plan`` from the optimum."""
+    problems = [f"{c.block}: {c.why} (cheapest alternative: {c.chosen.name})" for c in plan.choices[:3]]
+    problems += [f"attention computed whole: {line}" for line in plan.whole_attention]
+    if not plan:
+        problems.append(f"nothing to split ({_first_reasons(plan)})")
+    if problems:
+        raise PlanError(f"plan 'auto' cannot reach the optimum for {type(model).__name__} (strict=True): "
+                        + " | ".join(problems) + ". Pass strict=False to take the cheapest valid plan, "
+                        "a plan dict, or a mesh whose model axis divides the heads")
 
 
 def _first_reasons(plan: Plan) -> str:
