@@ -9,7 +9,7 @@ from torch import nn
 
 import xla_tp
 from xla_tp import PlanError
-from xla_tp import plan_for
+from xla_tp import compat, plan_for
 from xla_tp.zoo.registry import build
 
 from .helpers import assert_unchanged, max_err, snapshot
@@ -118,6 +118,21 @@ def test_heads_the_axis_does_not_divide_take_the_cheapest_alternative(mesh):
     assert plan.packings["model.layers.0.self_attn.o_proj.weight"].dim == 1  # its inputs, zero columns
     with pytest.raises(PlanError, match="6 heads.*strict=True|strict=True.*6 heads"):
         plan_for(model, mesh=mesh, strict=True)
+
+
+def test_plans_do_not_change_while_another_model_is_parallelized(mesh):
+    """A parallelized model installs the compat effects (``F.linear``, ``torch.addmm`` replaced); planning
+    another model meanwhile must see through them: GPT-2's packed ``c_attn`` (``addmm``) still gets its zero
+    heads (6 heads on 4 devices), the same plan as with no parallelized model alive."""
+    cfg = transformers.GPT2Config(n_embd=48, n_layer=1, n_head=6, vocab_size=128, n_positions=32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    alone = plan_for(model, mesh=mesh)
+    other = xla_tp.parallelize_xla(build("mlp"), "auto", mesh=mesh)
+    assert "addmm" in compat.installed() and "linear" in compat.installed()
+    meanwhile = plan_for(model, mesh=mesh)
+    assert meanwhile.choices[0].chosen.name == alone.choices[0].chosen.name, meanwhile.choices[0].invalid
+    assert "zero heads" in meanwhile.choices[0].chosen.name
+    xla_tp.unparallelize(other)
 
 
 def test_linear_stacks_pair_along_their_dataflow_and_pad_uneven_widths(mesh):

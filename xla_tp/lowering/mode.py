@@ -26,8 +26,16 @@ _state = threading.local()
 GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see entry's replacement of it instead
 
 
+def same_function(func: Callable, target: Callable) -> bool:
+    """``func`` is ``target``, one of them being the other wrapped by a compat effect (a mode sees the
+    original where the model called our replacement, and the replacement where it is a method).
+    ``same_function(torch.addmm, original_addmm)`` holds while the ``addmm`` effect is installed."""
+    return (func is target or getattr(func, "__wrapped__", None) is target
+            or getattr(target, "__wrapped__", None) is func)
+
+
 def _is_getitem(func: Callable) -> bool:
-    return func is GETITEM or getattr(func, "__wrapped__", None) is GETITEM
+    return same_function(func, GETITEM)
 
 
 class Lowering(TorchFunctionMode):

@@ -23,7 +23,7 @@ from ..dataflow.trace import trace
 from ..errors import PlanError
 from ..state import ensure_param_state
 from . import packed
-from .mode import Lowering
+from .mode import Lowering, same_function
 
 
 class Relaid(Lowering):
@@ -32,10 +32,11 @@ class Relaid(Lowering):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in (F.linear, torch.addmm):
-            weight = args[1] if func is F.linear else args[2]
+        linear, addmm = same_function(func, F.linear), same_function(func, torch.addmm)
+        if linear or addmm:
+            weight = args[1] if linear else args[2]
             packing = packed.packing_of(weight)
-            if packing is not None and packing.relays_output(0 if func is F.linear else 1):
+            if packing is not None and packing.relays_output(0 if linear else 1):
                 return self.tag(func(*args, **kwargs), packing)
         return super().__torch_function__(func, types, args, kwargs)
 
