@@ -67,6 +67,14 @@ def test_greedy_equals_cpu_generate_and_compiles_two_programs_then_none(llama):
     assert first.kv_bytes == 2 * 2 * 4 * 4 * 40 * 8 * 4 and first.kv_bytes_per_device * 8 == first.kv_bytes
 
 
+def test_a_fixed_cache_length_serves_every_number_of_new_tokens(llama):
+    ref, model, ids, mask, _ = llama
+    short = run(model, ids, 3, attention_mask=mask, cache_length=64)
+    long = run(model, ids, 40, attention_mask=mask, cache_length=64)
+    assert (short.compiles, long.compiles, long.cache_length) == (2, 0, 64)
+    assert torch.equal(long.sequences, ref.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False))
+
+
 def test_decode_step_is_the_tensor_parallel_minimum_and_donates_its_cache(llama):
     _, model, ids, mask, _ = llama
     report = audit_decode(model, ids, 24, attention_mask=mask)
@@ -170,6 +178,7 @@ def test_bad_input_is_refused_before_anything_compiles(llama):
         (dict(do_sample=True, temperature=0.0), "positive temperature"),
         (dict(do_sample=True, top_p=1.5), "top_p=1.5"),
         (dict(eos_token_id="</s>"), "eos_token_id='</s>'"),
+        (dict(cache_length=12), "plus max_new_tokens=8 does not fit in cache_length=12"),
     ]
     for change, message in cases:
         kwargs = {**dict(input_ids=ids, attention_mask=mask, max_new_tokens=8), **change}

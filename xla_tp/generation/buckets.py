@@ -7,8 +7,8 @@ doubling of the prompt length costs at most four programs. Example:
 
 >>> [bucket(n) for n in (1, 16, 17, 33, 65, 100)]
 [16, 16, 20, 40, 80, 112]
->>> lengths(prompt=7, new_tokens=16, limit=2048)
-(16, 32)
+>>> lengths(prompt=7, new_tokens=16, limit=2048), lengths(prompt=7, new_tokens=16, limit=2048, cache=64)
+((16, 32), (16, 64))
 """
 from __future__ import annotations
 
@@ -27,13 +27,11 @@ def bucket(length: int) -> int:
     return -(-length // step) * step
 
 
-def lengths(prompt: int, new_tokens: int, limit: Optional[int]) -> tuple[int, int]:
+def lengths(prompt: int, new_tokens: int, limit: Optional[int], cache: Optional[int] = None) -> tuple[int, int]:
     """``(prompt bucket, cache length)`` for a prompt of ``prompt`` tokens and ``new_tokens`` more, within
-    the model's ``limit`` positions (None: no limit). The cache holds the padded prompt and every token
-    fed back; both are buckets unless the limit cuts them (the caller checks ``prompt + new_tokens <=
-    limit``)."""
-    padded, cache = bucket(prompt), None
-    if limit is not None:
-        padded = max(prompt, min(padded, limit - new_tokens))
-    cache = bucket(padded + new_tokens)
-    return padded, cache if limit is None else min(cache, limit)
+    the model's ``limit`` positions (None: no limit) and the given ``cache`` length (None: a bucket). The
+    cache holds the padded prompt and every token fed back; both are buckets unless the limit or the
+    given length cuts them (the caller checks ``prompt + new_tokens`` against both)."""
+    room = min(n for n in (limit, cache, 1 << 62) if n is not None)
+    padded = max(prompt, min(bucket(prompt), room - new_tokens))
+    return padded, cache if cache is not None else min(bucket(padded + new_tokens), room)

@@ -117,8 +117,8 @@ def _decode(args: argparse.Namespace, recipe: Any, topology: Any, axes: dict[str
     ids = torch.tensor([tokenizer.encode(args.prompt)])
     result = run(model, ids, args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                  top_k=args.top_k, top_p=args.top_p, streamer=TextStreamer(tokenizer))
-    print(f"{result.new_tokens} tokens in {result.seconds:.2f} s: {result.tokens_per_second:.1f} tokens/s "
-          f"(first after {result.first_token_seconds:.2f} s); {result.compiles} programs compiled (prompt bucket "
+    print(f"{result.new_tokens} tokens in {result.seconds:.2f} s: the first after {result.first_token_seconds:.2f} s, "
+          f"then {result.tokens_per_second:.1f} tokens/s; {result.compiles} programs compiled (prompt bucket "
           f"{result.prompt_bucket}, cache {result.cache_length} tokens, KV cache "
           f"{result.kv_bytes_per_device:,} bytes per device of {result.kv_bytes:,})", file=sys.stderr)
     return 0

@@ -8,7 +8,7 @@ last token, writes its keys and values in place (the cache's buffers are donated
 picks the next (``choose``: greedy or sampled, on the device). Positions, cache slots and the cache's
 write position are device tensors carried from step to step, never constants in a program, so the
 same decode program serves every step, every prompt and every ``max_new_tokens`` whose cache length
-falls in the same bucket. The host reads each step's tokens while the next one runs (``stream``).
+falls in the same bucket (or, with ``cache_length=``, every call of a batch size). The host reads each step's tokens while the next one runs (``stream``).
 Example::
 
     ids = xla_tp.generate(model, input_ids, max_new_tokens=64)          # [B, prompt + new]
@@ -52,8 +52,9 @@ class Generated:
 
     @property
     def tokens_per_second(self) -> float:
-        """New tokens per second over the whole call, all rows together."""
-        return self.new_tokens * (self.sequences.shape[0]) / self.seconds if self.seconds else 0.0
+        """New tokens per second after the first (decode steps only), all rows together."""
+        after = self.seconds - self.first_token_seconds
+        return (self.new_tokens - 1) * self.sequences.shape[0] / after if after > 0 else 0.0
 
 
 class Decoding:
@@ -94,20 +95,31 @@ def _token_ids(value: Union[int, list[int], None], name: str) -> Optional[list[i
     return ids
 
 
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise GenerationError(f"{name}={value!r}: pass at least 1")
+    return value
+
+
 def prepare(decoder: Decoder, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], max_new_tokens: int,
-            eos_token_id: Any, pad_token_id: Any) -> tuple[Batch, int, list[int], int]:
+            eos_token_id: Any, pad_token_id: Any, cache_length: Optional[int] = None) -> tuple[Batch, int, list[int], int]:
     """``(batch, cache length, eos ids, pad id)``, after checking every input."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise GenerationError(f"max_new_tokens={max_new_tokens!r}: pass at least 1")
+    _count(max_new_tokens, "max_new_tokens")
     longest = int(token_counts(input_ids, attention_mask).max())
     if decoder.limit is not None and longest + max_new_tokens > decoder.limit:
         raise GenerationError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} is longer than "
                               f"the model's {decoder.limit} positions: shorten the prompt or lower max_new_tokens")
+    if cache_length is not None and longest + max_new_tokens > _count(cache_length, "cache_length"):
+        raise GenerationError(f"a prompt of {longest} tokens plus max_new_tokens={max_new_tokens} does not fit in "
+                              f"cache_length={cache_length}: raise it (or pass None for a bucket)")
+    if cache_length is not None and decoder.limit is not None and cache_length > decoder.limit:
+        raise GenerationError(f"cache_length={cache_length} is longer than the model's {decoder.limit} positions")
     eos = _token_ids(eos_token_id, "eos_token_id")
     eos = decoder.eos if eos is None else eos
     pad = _token_ids(pad_token_id, "pad_token_id")
-    pad_id = pad[0] if pad else decoder.pad if decoder.pad is not None else eos[0] if eos else 0
-    length, cache_length = lengths(longest, max_new_tokens, decoder.limit)
+    # transformers' order: the caller's, the model's, its end-of-sequence id, else 0
+    pad_id = next(p for p in (*(pad or ()), decoder.pad, *eos, 0) if p is not None)
+    length, cache_length = lengths(longest, max_new_tokens, decoder.limit, cache_length)
     batch = left_padded(input_ids, attention_mask, pad_id, length, cache_length, decoder.placement.batch_multiple)
     return batch, cache_length, eos, pad_id
 
@@ -115,12 +127,13 @@ def prepare(decoder: Decoder, input_ids: torch.Tensor, attention_mask: Optional[
 def run(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *,
         attention_mask: Optional[torch.Tensor] = None, do_sample: bool = False, temperature: float = 1.0,
         top_k: Optional[int] = None, top_p: Optional[float] = None, eos_token_id: Union[int, list[int], None] = None,
-        pad_token_id: Optional[int] = None, streamer: Optional[Any] = None) -> Generated:
+        pad_token_id: Optional[int] = None, streamer: Optional[Any] = None,
+        cache_length: Optional[int] = None) -> Generated:
     """``generate``, returning what the call cost with the sequences (``Generated``)."""
     sampling = Sampling(temperature, top_k, top_p) if do_sample else None
     decoder = decoder_for(model)
     batch, cache_length, eos, pad = prepare(decoder, input_ids, attention_mask, max_new_tokens, eos_token_id,
-                                            pad_token_id)
+                                            pad_token_id, cache_length)
     compiled, start = met.counter_value("UncachedCompile") or 0, time.perf_counter()
     tokens = Tokens(batch.rows, eos, pad, streamer)
     if streamer is not None:
@@ -153,7 +166,8 @@ def run(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *,
 def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *,
              attention_mask: Optional[torch.Tensor] = None, do_sample: bool = False, temperature: float = 1.0,
              top_k: Optional[int] = None, top_p: Optional[float] = None, eos_token_id: Union[int, list[int], None] = None,
-             pad_token_id: Optional[int] = None, streamer: Optional[Any] = None) -> torch.Tensor:
+             pad_token_id: Optional[int] = None, streamer: Optional[Any] = None,
+             cache_length: Optional[int] = None) -> torch.Tensor:
     """Decode ``max_new_tokens`` after each prompt of ``input_ids`` ``[B, S]`` on a parallelized causal LM
     (a transformers ``AutoModelForCausalLM`` or ``xla_tp.zoo.llama.Llama``): ``[B, S + new]``, the
     prompts followed by the new tokens, on ``input_ids``' device, as transformers' ``generate`` returns
@@ -161,10 +175,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64
     every row has ended). ``attention_mask`` (1 a token, 0 padding) lets rows have different lengths;
     ``do_sample`` with ``temperature``, ``top_k``, ``top_p`` samples; ``streamer`` (transformers'
     ``TextStreamer``) gets the tokens as they come. End-of-sequence and padding ids default to the
-    model's generation config. Example::
+    model's generation config. ``cache_length`` fixes the KV cache's length (default: the prompt's
+    bucket plus ``max_new_tokens``, rounded to a bucket): with it, one decode program serves every call
+    of a batch size. Example::
 
         ids = xla_tp.generate(model, tokenizer("Hello", return_tensors="pt").input_ids, max_new_tokens=32)
     """
     return run(model, input_ids, max_new_tokens, attention_mask=attention_mask, do_sample=do_sample,
                temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
-               pad_token_id=pad_token_id, streamer=streamer).sequences
+               pad_token_id=pad_token_id, streamer=streamer, cache_length=cache_length).sequences
