@@ -17,7 +17,8 @@ from .auditing import AuditReport
 from .auditing.run import audit
 from .backends.jax import parallelize_jax
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
-from .errors import CheckpointError, MeshError, OptimizerError, PlanError
+from .errors import CheckpointError, GenerationError, MeshError, OptimizerError, PlanError
+from .generation import generate
 from .loss import loss_parallel
 from .mesh import init_device_mesh, make_mesh
 from .plan.hf import hf_plan
@@ -35,3 +36,4 @@ __all__ = [
     "unplanned_parameters",
 ]
 __all__ += ["CheckpointError", "OptimizerError", "export_hf", "load_checkpoint", "save_checkpoint"]  # training at scale
+__all__ += ["GenerationError", "generate"]  # generation

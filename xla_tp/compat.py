@@ -138,6 +138,11 @@ EFFECTS: tuple[Effect, ...] = (
            "its view(dtype) bitcast executes the pending graph on every call under torch_xla: a lazy "
            "BitcastConvert on XLA tensors keeps the optimizer step one program",
            replace("torchao.optim.adam._fp32_to_bf16_sr", "xla_tp.optim:lazy_rounding")),
+    Effect("hf_mask_skip", "transformers.masking_utils._ignore_causal_mask_sdpa", "transformers 5.23.0 / torch_xla 2.9.0",
+           "it reads the padding mask and the cache's offset on the host to decide whether SDPA may drop the mask; "
+           "on XLA each read executes the pending graph, so one forward (a generation step) compiles as three "
+           "programs: for XLA tensors the mask is kept, unread", replace("transformers.masking_utils._ignore_causal_mask_sdpa",
+                                                                        f"{_ENTRY}:keep_causal_mask")),
     Effect("save_pretrained", "transformers.PreTrainedModel.save_pretrained", "transformers 5.23.0 / torch_xla 2.9.0",
            "safetensors reads an XLA tensor's storage pointer and fails; a parallelized model is saved from "
            "host copies", replace("transformers.PreTrainedModel.save_pretrained",

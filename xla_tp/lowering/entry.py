@@ -13,7 +13,10 @@ cost of a Python call:
   (``tied``), and re-laid packed projections' outputs tagged for the model's own slicing (``mode``);
 - ``getitem``: torch_xla 2.9 raises ``Value out of range`` for a slice bound past a dimension
   (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do), where the CPU
-  clamps: the replacement retries clamped.
+  clamps: the replacement retries clamped;
+- ``keep_causal_mask``: transformers decides whether SDPA may drop its mask by reading tensors on
+  the host (``padding_mask.all()``, ``q_offset == 0``); on XLA each read executes the pending graph,
+  so a forward compiles as several programs: for XLA tensors the answer is "keep the mask", unread.
 
 Rewriting the few functions that need it, rather than intercepting every op, keeps the host's trace
 cost of a step near that of the same model without xla_tp. Example::
@@ -189,3 +192,14 @@ def getitem(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             return original(self, fixed)
     return lowered_getitem
+
+
+def keep_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' ``_ignore_causal_mask_sdpa``: False for XLA tensors (the mask is kept, as when
+    tracing), without reading them; the same result either way, the mask being causal."""
+    @functools.wraps(original)
+    def unread(padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, *args: Any, **kwargs: Any) -> bool:
+        if scope.inside() and (_is_xla(padding_mask) or _is_xla(q_offset)):
+            return False
+        return original(padding_mask, q_length, kv_length, q_offset, *args, **kwargs)
+    return unread
