@@ -1,4 +1,4 @@
-"""``torch.compile(model, backend="openxla")`` on parallelized models: eager numerics over 3 training
+"""``torch.compile(model, backend="openxla")`` on parallelized models: the CPU model's numerics over 4 training
 steps, no recompilation after warm-up, the grouped backward kept; HF Llama ("auto" and a torch plan),
 GPT-2 (packed projections, tied table), Qwen3, BERT and a torchtitan-style Llama. Run as a user runs it:
 a fresh process."""
@@ -39,6 +39,12 @@ def step(model, opt, ids):
     opt.step()
     return loss
 
+def cpu_run(base):  # the same steps on an unsharded copy on the CPU: the reference
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = [step(model, opt, ids).item() for ids in batches]
+    return losses, {n: p.detach() for n, p in model.state_dict().items()}
+
 def run(plan, route, base):
     model = xla_tp.parallelize_xla(copy.deepcopy(base), plan, mesh=mesh)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
@@ -55,15 +61,15 @@ def run(plan, route, base):
         losses.append(loss.item())
         compiles.append(met.counter_value("UncachedCompile") or 0)
     grouped = bool(state_of(model).groups)
-    params = {n: p.detach().cpu() for n, p in model.named_parameters()}
+    params = {n: p.detach().cpu() for n, p in model.state_dict().items()}  # in the model's own layout
     return losses, compiles, grouped, params
 
 out = {}
 for name, plan, model in (("auto", "auto", base), ("user", user, base), *((n, "auto", m) for n, m in families.items())):
-    eager, _, _, ref = run(plan, "eager", model)
+    want, ref = cpu_run(model)
     for route in ("model", "step") if name == "user" else ("model",):
         losses, compiles, grouped, params = run(plan, route, model)
-        out[f"{name}/{route}"] = dict(eager=eager, compiled=losses, compiles=compiles, grouped=grouped,
+        out[f"{name}/{route}"] = dict(cpu=want, compiled=losses, compiles=compiles, grouped=grouped,
                                       param_err=max((params[n] - ref[n]).abs().max().item() for n in ref))
 print(json.dumps(out))
 """
@@ -76,12 +82,12 @@ def results():
 
 @pytest.mark.parametrize("case", ["auto/model", "user/model", "user/step", "gpt2/model", "qwen3/model", "bert/model",
                                   "titan_llama/model"])
-def test_compiled_training_matches_eager_and_compiles_once(results, case):
+def test_compiled_training_matches_cpu_and_compiles_once(results, case):
     r = results[case]
     assert len(r["compiled"]) == 4
-    assert max(abs(a - b) for a, b in zip(r["compiled"], r["eager"])) < 1e-5, r
+    assert max(abs(a - b) for a, b in zip(r["compiled"], r["cpu"])) < 1e-4, r
     assert r["param_err"] < 1e-5, r  # the parameters after 4 SGD steps: gradients right on every step
-    assert r["eager"][0] != r["eager"][-1]  # the steps changed something
+    assert r["cpu"][0] != r["cpu"][-1]  # the steps changed something
     assert r["compiles"][0] > 0 and r["compiles"][2:] == [0, 0], r["compiles"]  # warm-up: the first two calls
     # the first forward's group discovery ran (outside the compiled graph); GPT-2's q/k/v are one packed Linear
     assert r["grouped"] == (case != "gpt2/model")

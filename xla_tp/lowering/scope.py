@@ -31,20 +31,24 @@ from ..inference import leave_inference, return_to_inference
 from ..state import ModelState
 from .mode import active
 
-_state = threading.local()
+
+class _ThreadState(threading.local):
+    """Every attribute exists from the start in each thread (``torch.compile`` guards on their presence:
+    one created lazily would recompile the compiled model at the next call)."""
+
+    def __init__(self) -> None:
+        self.depth, self.sites, self.current, self.inference = 0, 0, None, None
+        self.exits: list[Callable[[], None]] = []
+
+
+_state = _ThreadState()
 _backward_tasks: dict[int, ModelState] = {}  # autograd graph task -> the parallelized model whose backward it runs
 _suspended = [0]  # > 0: the lowering is off everywhere (``suspended``)
 
 
-def _get(name: str, default: Any) -> Any:
-    if not hasattr(_state, name):
-        setattr(_state, name, default)
-    return getattr(_state, name)
-
-
 def depth() -> int:
     """How many parallelized roots this thread is inside (1 in the outermost one's own hooks)."""
-    return _get("depth", 0)
+    return _state.depth
 
 
 def inside() -> bool:
@@ -77,7 +81,7 @@ def suspended() -> Iterator[None]:
 def current() -> Optional[ModelState]:
     """The state of the outermost parallelized model running now (forward or backward), if any."""
     if depth() > 0:
-        return _get("current", None)
+        return _state.current
     if torch.compiler.is_compiling():
         return None
     return _backward_tasks.get(torch._C._current_graph_task_id())
@@ -85,12 +89,12 @@ def current() -> Optional[ModelState]:
 
 def in_site() -> bool:
     """Whether the packed-output mode is entered (inside a module that slices a packed projection)."""
-    return _get("sites", 0) > 0
+    return _state.sites > 0
 
 
 def on_exit(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the outermost parallelized forward ends (per-forward caches)."""
-    _get("exits", []).append(callback)
+    _state.exits.append(callback)
 
 
 def _enter_backward(state: ModelState) -> Callable[[Any], None]:
@@ -130,12 +134,12 @@ def install_root(root: nn.Module, state: ModelState,
         _state.depth = depth() - 1
         if _state.depth != 0:
             return None
-        callbacks, _state.exits, _state.current = _get("exits", []), [], None
+        callbacks, _state.exits, _state.current = _state.exits, [], None
         for callback in callbacks:
             callback()
         if torch.is_grad_enabled() and not torch.compiler.is_compiling():
             _mark_backward(output, _enter_backward(state))
-        context, _state.inference = _get("inference", None), None
+        context, _state.inference = _state.inference, None
         return return_to_inference(context, output)
 
     state.handles.append(root.register_forward_pre_hook(enter, with_kwargs=True))
@@ -154,9 +158,9 @@ def _first(first: Callable, module: nn.Module, state: ModelState, args: tuple, k
 
 
 def _enter_site(module: nn.Module, args: Any) -> None:
-    if _get("sites", 0) == 0:
+    if _state.sites == 0:
         active().__enter__()
-    _state.sites = _get("sites", 0) + 1
+    _state.sites = _state.sites + 1
 
 
 def _leave_site(module: nn.Module, args: Any, output: Any) -> None:
