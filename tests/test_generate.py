@@ -173,6 +173,7 @@ def test_bad_input_is_refused_before_anything_compiles(llama):
         (dict(input_ids=torch.randint(3, 128, (1, 120)), attention_mask=None, max_new_tokens=16),
          "longer than the model's 128 positions"),
         (dict(input_ids=ids[0], attention_mask=None), "integer token ids [batch, length]"),
+        (dict(input_ids=ids.float(), attention_mask=None), "got float32 (3, 9)"),
         (dict(attention_mask=mask[:, 1:]), "does not match input_ids"),
         (dict(attention_mask=torch.zeros_like(mask)), "mark no token"),
         (dict(do_sample=True, temperature=0.0), "positive temperature"),

@@ -36,9 +36,10 @@ class Batch:
 def token_counts(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
     """Tokens per row, after checking the inputs' shapes (``GenerationError`` naming what to pass)."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point:
-        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
-        raise GenerationError(f"input_ids must be integer token ids [batch, length], got {shape}; a single prompt "
-                              f"is ids[None]")
+        got = (f"{str(input_ids.dtype).removeprefix('torch.')} {tuple(input_ids.shape)}"
+               if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__)
+        raise GenerationError(f"input_ids must be integer token ids [batch, length], got {got}; a single prompt "
+                              f"is ids[None], float ids are ids.long()")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise GenerationError(f"input_ids {tuple(input_ids.shape)} is empty: pass at least one token per row")
     if attention_mask is None:
