@@ -135,6 +135,17 @@ def test_plans_do_not_change_while_another_model_is_parallelized(mesh):
     xla_tp.unparallelize(other)
 
 
+def test_a_trace_serves_the_plans_of_other_meshes():
+    """The trace does not depend on the mesh: a plan made from another mesh's ``plan.graph`` (what the
+    launcher's fit search does for each mesh it tries) is the plan made by tracing again."""
+    model = build("llama", kv_heads=2)
+    first = plan_for(model, mesh={"model": 4})
+    for sizes in ({"model": 8}, {"data": 4, "model": 2}):
+        again, reused = plan_for(model, mesh=sizes), plan_for(model, mesh=sizes, graph=first.graph)
+        assert reused.graph is first.graph and roles(reused, model) == roles(again, model)
+        assert [c.chosen.name for c in reused.choices] == [c.chosen.name for c in again.choices]
+
+
 def test_linear_stacks_pair_along_their_dataflow_and_pad_uneven_widths(mesh):
     stack = build("mlp")
     plan = plan_for(stack, mesh=mesh)

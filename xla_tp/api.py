@@ -23,6 +23,7 @@ from .backends import get_backend
 from .backends.annotate import XlaSharder
 from .backends.place import place_module
 from .constraints import install_constraints
+from .dataflow.graph import Graph
 from .dataflow.inputs import MadeUpInputError
 from .deferred import cancel as cancel_first_call, plan_at_first_call
 from .errors import PlanError
@@ -113,13 +114,13 @@ def install_lowering(module: nn.Module, state: ModelState, plan: Plan, embedding
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
              example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
-             pick: Optional[Pick] = None) -> Plan:
+             pick: Optional[Pick] = None, graph: Optional[Graph] = None) -> Plan:
     """The plan ``parallelize_xla(model, "auto")`` would apply (``xla_tp.planners.plan_for``); ``mesh``
     may also be None here: the global mesh of ``make_mesh``, else a 1-D ``model`` mesh over all devices.
     Example: ``xla_tp.plan_for(model, mesh={"data": 2, "model": 4})["lm_head"].role``."""
     return planners.plan_for(model, to_xs_mesh(None) if mesh is None else mesh, tp_axis,
                              example_inputs=example_inputs, example_kwargs=example_kwargs, strict=strict, pick=pick,
-                             check=padding_problem)
+                             check=padding_problem, graph=graph)
 
 
 def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, strict: bool = False) -> Plan:

@@ -12,13 +12,14 @@ dimension, see ``xla_tp.load_rules``). Example::
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import yaml
 from torch import nn
 
 import xla_tp
 
+from ..dataflow.graph import Graph
 from ..plan.layout import Spec
 from ..plan.normalize import build_layout
 from .recipe import Recipe, plan_file
@@ -34,6 +35,7 @@ class PlannedSpecs:
     specs: dict[str, Spec]
     source: str
     replicated: dict[str, str] = field(default_factory=dict)
+    graph: Optional[Graph] = None   # the model's trace, when "auto" made one (another mesh's plan reuses it)
 
 
 def plan_input(recipe: Recipe) -> PlanInput:
@@ -53,17 +55,18 @@ def plan_input(recipe: Recipe) -> PlanInput:
     return xla_tp.load_rules(plan)
 
 
-def plan_specs(model: nn.Module, plan: PlanInput, mesh: Any) -> PlannedSpecs:
+def plan_specs(model: nn.Module, plan: PlanInput, mesh: Any, graph: Optional[Graph] = None) -> PlannedSpecs:
     """What ``plan`` does to every parameter of ``model`` (which may be on ``meta``) on ``mesh``.
 
     Goes through the same front-ends as ``parallelize_xla``: ``plan_for`` for "auto",
     ``hf_plan`` for "hf", the plan normaliser for both and for user plans. Nothing is mutated.
+    ``graph``: the model's trace from an earlier "auto" plan (``PlannedSpecs.graph``), not made again.
     """
     if plan == "auto":
-        plan = xla_tp.plan_for(model, mesh=mesh)
+        plan = xla_tp.plan_for(model, mesh=mesh, graph=graph)
     elif plan == "hf":
         plan = xla_tp.hf_plan(model)
     axes = {str(n): int(s) for n, s in zip(mesh.axis_names, mesh.mesh_shape)}
     layout = build_layout(model, plan, axes, "model", strict=True)
     source = "auto: roles from the model's dataflow" if hasattr(plan, "roles") else "user plan"
-    return PlannedSpecs(layout.params, source, dict(getattr(plan, "replicated", {})))
+    return PlannedSpecs(layout.params, source, dict(getattr(plan, "replicated", {})), getattr(plan, "graph", None))

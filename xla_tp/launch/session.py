@@ -24,6 +24,7 @@ import yaml
 import xla_tp
 
 from ..axes import AXIS_ORDER
+from ..dataflow.graph import Graph
 from .check import compare_one_step
 from .checkpoints import Checkpoints
 from .data import Batches, check_data
@@ -77,7 +78,8 @@ class Session:
         fit = estimate(meta, planned.specs, self.mesh, self.shape, settings, t)
         self.say(fit.table())
         if not fit.fits:
-            tips = suggest(fit, self.shape, t.chips, estimator(meta, self.plan, self.shape, settings, t))
+            tips = suggest(fit, self.shape, t.chips, estimator(meta, self.plan, self.shape, settings, t,
+                                                               planned.graph))
             self.say(f"\nrefused: {r.name} needs about {human(fit.total)} per chip on {t.name}, which has "
                      f"{human(fit.usable)} usable. What would change that (as overrides):")
             for tip in tips:
@@ -143,11 +145,12 @@ class Session:
 
 
 def estimator(meta: torch.nn.Module, plan: PlanInput, shape: ModelShape, settings: FitSettings,
-              topology: Topology) -> Callable[[dict[str, int]], FitReport]:
-    """``estimate`` for another mesh of the same chips: the plan is made again for that mesh."""
+              topology: Topology, graph: Optional[Graph] = None) -> Callable[[dict[str, int]], FitReport]:
+    """``estimate`` for another mesh of the same chips: the plan is made again for that mesh (from the
+    model's ``graph`` when "auto" traced it already)."""
     def on(axes: dict[str, int]) -> FitReport:
         mesh = xs.Mesh(np.arange(topology.chips), tuple(axes.get(a, 1) for a in AXIS_ORDER), AXIS_ORDER)
-        return estimate(meta, plan_specs(meta, plan, mesh).specs, mesh, shape, settings, topology)
+        return estimate(meta, plan_specs(meta, plan, mesh, graph).specs, mesh, shape, settings, topology)
     return on
 
 

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 from torch import nn
 
 from ..axes import canonical_axis, sizes_of
+from ..dataflow.graph import Graph
 from ..dataflow.trace import trace
 from ..errors import PlanError
 from .alternatives import Pick
@@ -48,7 +49,8 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
              example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
-             pick: Optional[Pick] = None, check: Optional[PaddingCheck] = None) -> Plan:
+             pick: Optional[Pick] = None, check: Optional[PaddingCheck] = None,
+             graph: Optional[Graph] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
     ``mesh`` is a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes such as ``{"model": 4}`` (``xla_tp.plan_for``
@@ -61,12 +63,14 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     ``pick(choice)`` may take another of a block's alternatives than the cheapest (``choice.alternatives``).
     ``check(model, packings, graph, example_inputs, example_kwargs)`` says why the model cannot run with
     zero heads added (``lowering.padding``; ``xla_tp.plan_for`` passes it): without it none are added.
+    ``graph``: this model's trace on these inputs, already made (``plan.graph`` of its plan on another mesh:
+    the trace does not depend on the mesh, and an 80-layer model takes seconds to trace).
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
-    graph = trace(model, example_inputs, example_kwargs)
+    graph = graph if graph is not None else trace(model, example_inputs, example_kwargs)
     on_meta = any(p.is_meta for p in model.parameters())
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
     plan = build_plan(model, graph, decide(graph, tp, meta or ("" if check else "no check of the padded model was "
