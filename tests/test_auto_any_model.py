@@ -154,6 +154,28 @@ def test_bloom_attention_with_heads_merged_into_the_batch():
     assert report.count("all-reduce") == 3, report
 
 
+def test_olmo2_norm_over_all_heads_keeps_q_and_k_split():
+    """OLMo 2 normalises q and k over all heads at once (an RMSNorm of the whole projection): a mean over the
+    split features, completed by an all-reduce of one value per token, so q_proj and k_proj stay split (the
+    compute balanced) where they were computed whole; zero heads are refused there (they would enter the mean)."""
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    cfg = transformers.Olmo2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8,
+                                   num_key_value_heads=8, vocab_size=128, max_position_embeddings=64)
+    ref = seeded(lambda: transformers.AutoModelForCausalLM.from_config(cfg))
+    plan = plan_for(ref, mesh=mesh)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert plan.roles[f"model.layers.0.self_attn.{name}.weight"].kind == "column", plan.explain(ref, mesh)
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
+    x = ids()
+    report = xla_tp.audit(Call(model), x.to(torch_xla.device()), mesh=mesh)
+    assert report.compute_balance <= 1.10, report
+    assert max_err(Call(model)(x.to(torch_xla.device())), Call(ref)(x)) < 1e-4
+    six = transformers.Olmo2Config(**{**cfg.to_dict(), "hidden_size": 48, "num_attention_heads": 6,
+                                      "num_key_value_heads": 6})
+    choice = plan_for(transformers.AutoModelForCausalLM.from_config(six), mesh=mesh).choices[0]
+    assert any(line.startswith("zero heads: its features are reduced whole") for line in choice.invalid), choice.invalid
+
+
 @pytest.mark.parametrize("name", ["xglm", "deberta"])
 def test_bmm_attention_of_models_no_test_named(name):
     """XGLM (softmax on the merged [B*H, S, S]) and DeBERTa-v2 with its disentangled relative attention

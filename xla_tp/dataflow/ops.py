@@ -49,6 +49,10 @@ PERMUTES = frozenset({"transpose", "swapaxes", "swapdims", "permute", "movedim",
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod",
                         "any", "all", "argmax", "argmin", "nansum", "nanmean", "count_nonzero", "var_mean",
                         "std_mean", "linalg_vector_norm"})
+# reductions the partitioner completes exactly from per-device partial results (one all-reduce of the
+# reduced values, or two for var/std): over a split dimension they need no gather (an RMSNorm over all heads)
+PARTIAL = frozenset({"sum", "mean", "amax", "amin", "var", "std", "norm", "linalg_vector_norm", "logsumexp",
+                     "nansum", "nanmean"})
 ALONG_DIM = frozenset({"softmax", "log_softmax", "_softmax", "cumsum", "cumprod", "logcumsumexp", "normalize",
                        "flip", "roll", "sort", "argsort", "topk", "cummax", "cummin"})
 SHAPE_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like", "randn_like",
@@ -63,6 +67,7 @@ class Step:
     stop: Stop = ""
     row: Optional[tuple[Value, int]] = None  # (the parameter contracted against, its sharded dim)
     ends: str = ""  # the features are reduced away here, split (a vocabulary-parallel loss: ``vocab``)
+    reduces: str = ""  # a per-token statistic over the split features (a norm's mean square): all-reduced
 
 
 def stop(why: str) -> Step:
@@ -182,6 +187,8 @@ def _reduce(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     rank = _rank(node.tensors[0])
     dims = _reduce_dims(node, rank)
     if dims is None or feats.lead.dim in dims:
+        if node.op in PARTIAL and dims is not None and all(f.dim in dims for f in feats.factors):
+            return Step(reduces=f"{node.op} over the split features: the per-device partial results all-reduced")
         return f"reduces ({node.op}) over the sharded dimension"
     keep = bool(node.arg(2, "keepdim", node.kwargs.get("keepdim", False)))
     mapping: dict[int, Optional[int]] = {}

@@ -27,7 +27,7 @@ from typing import Optional
 
 from .contract import contraction
 from .graph import Graph, Node, Value
-from .ops import step, trace_param
+from .ops import Step, step, trace_param
 from .shapes import Factor, Features
 
 ATTENTION_OPS = ("scaled_dot_product_attention", "multi_head_attention_forward")
@@ -96,6 +96,7 @@ class Region:
     slicers: set[str] = field(default_factory=set)  # modules whose forward slices those blocks
     merges: set[str] = field(default_factory=set)  # modules where the features are merged with the batch
     ends: dict[int, str] = field(default_factory=dict)  # node index -> how a split loss reduces the features
+    reductions: dict[int, Node] = field(default_factory=dict)  # statistics over all the split features
     row_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # row node -> block it reads
     copied: dict[tuple[Fraction, Fraction], str] = field(default_factory=dict)  # blocks every device copies, why
     granule_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # granule -> its block
@@ -135,6 +136,8 @@ def explore(graph: Graph, proj: Projection) -> Region:
             if is_attention(node):
                 region.attention.add(node.index)
             s = step(node, pos, feats)
+            if s.reduces and window != whole:  # a statistic over one block of a packed output: not a partial sum
+                s = Step(stop=f"reduces ({node.op}) over one block of a packed projection's split features")
             if s.stop and window != whole and _copy(region, window, s.stop, node):
                 break  # a packed block that cannot stay split: every device gets a copy of it
             if s.stop:
@@ -146,6 +149,9 @@ def explore(graph: Graph, proj: Projection) -> Region:
                 continue
             if s.ends:
                 region.ends.setdefault(node.index, s.ends)
+                continue
+            if s.reduces:
+                region.reductions[node.index] = node
                 continue
             for i, f in s.outputs:
                 out = node.outputs[i]
@@ -171,6 +177,9 @@ def explore(graph: Graph, proj: Projection) -> Region:
                         break
                     region.stop, region.stop_node = why, node
                     return region
+    if region.reductions and not region.attention:  # a residual stream split by its hidden size: not this plan's
+        node = next(iter(region.reductions.values()))
+        region.stop, region.stop_node = f"reduces ({node.op}) over the sharded dimension", node
     return region
 
 

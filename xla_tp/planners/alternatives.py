@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..dataflow.graph import Graph, Node, Value
-from ..dataflow.regions import Region
+from ..dataflow.regions import Region, describe
 from .prices import Price, dot_flops, nbytes
 
 Rows = dict[int, tuple[Node, Value, int]]  # row projection node index -> (node, parameter, contracted dim)
@@ -108,6 +108,9 @@ def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Pr
 def _padded(block: "_Block", tp: int, padding: str):
     """The zero-heads alternative, or why it does not apply."""
     heads = {heads_of(r) for r in block.members}
+    reduced = next((n for r in block.members for n in r.reductions.values()), None)
+    if reduced is not None:  # zero features would enter the statistic (a mean over more features)
+        return f"its features are reduced whole ({describe(reduced)}): zero heads would change the result"
     if padding or len(heads) > 1:
         return padding or f"the projections have different heads {sorted(heads)} (grouped-query attention)"
     h = block.heads

@@ -110,6 +110,9 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
         if r.copied and not copies:  # a model on meta: its own init would make the copies differ
             r.stop = f"a block of it ({next(iter(r.copied.values()))}) would be copied to every device, which " \
                      f"its own init on meta would make differ"
+        elif r.copied and r.reductions:  # a statistic over the split features would count the copies
+            r.stop = f"a block of it ({next(iter(r.copied.values()))}) would be copied to every device, and " \
+                     f"{describe(next(iter(r.reductions.values())))} reduces all its features"
     taken: dict[int, str] = {}  # projection node index -> role kind
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set()
