@@ -1,6 +1,8 @@
 """``unparallelize``: a parallelized model becomes a plain one on the device, computing what it computed."""
 import copy
+import io
 
+import pytest
 import torch
 import torch_xla
 
@@ -52,3 +54,25 @@ def test_a_block_inside_a_parallelized_model_is_made_plain_and_the_model_still_r
     x = example_input("titan_llama")
     assert max_err(run(model, x.to(torch_xla.device())), run(ref, x)) < 1e-4
     assert not xla_tp.state_of(model).pending
+
+
+def test_copying_or_moving_a_parallelized_model_is_refused_until_it_is_plain_again():
+    """A parallelized GPT-2 holds c_attn re-laid device-major: a deep copy, a pickle (``torch.save(model)``)
+    or the model moved to the CPU would compute something else with no state to read it. Each is refused
+    naming the fix and the model still computes the CPU model's logits; once unparallelized, the copy and
+    the move work and compute them too."""
+    torch.manual_seed(0)
+    ref = build("gpt2")
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    x = example_input("gpt2")
+    want = run(ref, x)
+    for attempt in (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO())):
+        with pytest.raises(xla_tp.PlanError, match="cannot be copied or pickled.*copy it before parallelize_xla"):
+            attempt()
+    assert max_err(run(model, x.to(torch_xla.device())), want) < 1e-4
+    torch.save(model.state_dict(), io.BytesIO())  # the state dict is the model's own layout: allowed
+    model.to("cpu")
+    with pytest.raises(xla_tp.PlanError, match="parameters are on cpu: call xla_tp.unparallelize"):
+        run(model, x)
+    xla_tp.unparallelize(model)
+    assert max_err(run(copy.deepcopy(model), x), want) < 1e-4 and max_err(run(model, x), want) < 1e-4

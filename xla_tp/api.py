@@ -80,6 +80,7 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     stale = stale_params(module, layout)
     state = begin(module, plan, layout, xmesh, axes[tp_axis])
     place_module(module, layout.params, xmesh, shard, stale=stale)
+    state.home = "xla"
     params = dict(module.named_parameters())
     state.records = {name: record_of(params[name]) for name in layout.params}
     install_constraints(module, state, XlaSharder(xmesh))
@@ -162,8 +163,8 @@ def relay(module: nn.Module, state: ModelState, packings: dict[str, Any]) -> Non
         for _, other in all_states():
             taken = [fqn for fqn, (mod_ref, pname, _, _) in other.relaid.items() if mod_ref() is owner and pname == local]
             for fqn in taken:
-                _, _, _, handles = other.relaid.pop(fqn)
-                packed.unrelayout(owner, local, handles)
+                _, _, was, handles = other.relaid.pop(fqn)
+                packed.unrelayout(owner, local, was, handles)
         state.relaid[name] = (weakref.ref(owner), local, packing, packed.relayout(owner, local, packing))
 
 
@@ -173,9 +174,9 @@ def _forget(module: nn.Module) -> None:
     if state is None:
         return
     state.remove_hooks()
-    for mod_ref, name, _, handles in state.relaid.values():
+    for mod_ref, name, packing, handles in state.relaid.values():
         if mod_ref() is not None:
-            packed.unrelayout(mod_ref(), name, handles)
+            packed.unrelayout(mod_ref(), name, packing, handles)
 
 
 def unparallelize(model: nn.Module, *, keep_sharding: bool = False) -> nn.Module:
@@ -196,8 +197,8 @@ def unparallelize(model: nn.Module, *, keep_sharding: bool = False) -> nn.Module
         for key in [k for k in state.constraints if k in inside]:
             state.remove_constraint_hooks(key)
         for fqn in [f for f, (ref, *_) in state.relaid.items() if id(ref()) in inside]:
-            ref, name, _, handles = state.relaid.pop(fqn)
-            packed.unrelayout(ref(), name, handles)
+            ref, name, packing, handles = state.relaid.pop(fqn)
+            packed.unrelayout(ref(), name, packing, handles)
         if id(model) in {id(m) for m in root.modules()}:
             state.pending = True
     lowering.uninstall(model)

@@ -77,6 +77,7 @@ class ModelState:
     groups: list[tuple[str, ...]] = field(default_factory=list)  # column groups found (member FQNs)
     tables: list[str] = field(default_factory=list)  # vocabulary-split tables found (module FQNs)
     pending: bool = False  # the lowering is found at the next forward (it could not be traced before)
+    home: str = ""  # the device type its parameters were placed on ("xla"; the JAX backend keeps torch's CPU tensors)
     exit_hook: Any = None  # the root's last post-hook (``lowering.scope``), registered after the others
     lease: Any = None  # on the compatibility effects (``compat``)
     finalizer: Any = None
@@ -124,14 +125,38 @@ class ModelState:
         self.constraints, self.implied, self.handles = {}, {}, []
 
 
+class NotCopyable:
+    """A parallelized module's ``__deepcopy__`` and ``__reduce_ex__`` (``copy.deepcopy``, ``pickle``,
+    ``torch.save(model)``): a copy would hold the weights as laid out on the devices (packed projections
+    re-laid device-major, zero heads) without the state that reads them, and compute something else."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.name = type(module).__name__
+
+    def __call__(self, *args: Any) -> Any:
+        raise PlanError(f"{self.name} is parallelized by xla_tp and cannot be copied or pickled as it is: copy it "
+                        f"before parallelize_xla (then parallelize the copy too), save its state_dict() or an "
+                        f"xla_tp.save_checkpoint (both in the model's own layout), or xla_tp.unparallelize it first")
+
+
+_GUARDS = ("__deepcopy__", "__reduce_ex__")
+
+
 def register(module: nn.Module, state: ModelState, release: Callable[[], None]) -> None:
-    """Make ``state`` the state of ``module``; ``release`` runs when it is dropped or the module dies."""
+    """Make ``state`` the state of ``module``; ``release`` runs when it is dropped or the module dies.
+    Until then the module refuses to be copied (``NotCopyable``)."""
     _states[module] = state
     state.finalizer = weakref.finalize(module, release)
+    guard = NotCopyable(module)
+    for name in _GUARDS:
+        object.__setattr__(module, name, guard)
 
 
 def drop(module: nn.Module) -> Optional[ModelState]:
     """Forget ``module``'s state (its hooks and lease are the caller's to undo); the state, if any."""
+    for name in _GUARDS:
+        if isinstance(module.__dict__.get(name), NotCopyable):
+            del module.__dict__[name]
     state = _states.pop(module, None)
     if state is not None and state.finalizer is not None:
         state.finalizer()

@@ -12,12 +12,13 @@ device-major layout without moving data (``block``); any other use gets the orig
 
 >>> lin = nn.Linear(1, 12, bias=False)
 >>> original = lin.weight.detach().clone()
->>> handles = relayout(lin, "weight", Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2))
+>>> packing = Packing(dim=0, blocks=((0, 4), (4, 4), (8, 4)), tp=2)
+>>> handles = relayout(lin, "weight", packing)
 >>> lin.weight[:, 0].tolist() == original[[0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11], 0].tolist()  # [q0 k0 v0 | q1 k1 v1]
 True
 >>> torch.equal(lin.state_dict()["weight"], original)
 True
->>> unrelayout(lin, "weight", handles); torch.equal(lin.weight, original)
+>>> unrelayout(lin, "weight", packing, handles); torch.equal(lin.weight, original)
 True
 """
 from __future__ import annotations
@@ -63,14 +64,16 @@ def relayout(owner: nn.Module, name: str, packing: Packing) -> list[Any]:
             owner.register_load_state_dict_pre_hook(_load_relaid(name, packing))]
 
 
-def unrelayout(owner: nn.Module, name: str, handles: list[Any]) -> None:
-    """Put ``owner.<name>`` back in its original order and remove its state-dict hooks."""
+def unrelayout(owner: nn.Module, name: str, packing: Packing, handles: list[Any]) -> None:
+    """Put ``owner.<name>`` (re-laid as ``packing``) back in its original order and remove its state-dict
+    hooks. A parameter with no record (``model.to("cpu")`` made a new one) still holds the re-laid values."""
     p = owner._parameters[name]
     ps = param_state(p)
-    if ps is not None and ps.packing is not None:
+    if ps is None or ps.packing is not None:
         with torch.no_grad():
-            p.data = p.data if p.is_meta else restore(p.data, ps.packing)
-        ps.packing = None
+            p.data = p.data if p.is_meta else restore(p.data, packing)
+        if ps is not None:
+            ps.packing = None
     for handle in handles:
         handle.remove()
 

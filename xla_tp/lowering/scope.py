@@ -27,6 +27,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 from torch import nn
 
+from ..errors import PlanError
 from ..inference import leave_inference, return_to_inference
 from ..state import ModelState
 from .mode import active
@@ -119,11 +120,23 @@ def _mark_backward(output: Any, prehook: Callable[[Any], None]) -> None:
             _mark_backward(value, prehook)
 
 
+def _check_on_device(root: nn.Module, home: str) -> None:
+    """A parallelized model moved off the XLA device (``model.to("cpu")``) keeps weights laid out for the
+    devices (re-laid packed projections, zero heads) that nothing reads right there: refused, with the fix."""
+    p = next(root.parameters(), None)
+    if p is not None and p.device.type not in (home, "meta"):
+        raise PlanError(f"{type(root).__name__} is parallelized by xla_tp but its parameters are on {p.device}: "
+                        f"call xla_tp.unparallelize(model) before moving it off the XLA device (its weights go back "
+                        f"to the model's own layout), or move it back with model.to(torch_xla.device())")
+
+
 def install_root(root: nn.Module, state: ModelState,
                  first: Optional[Callable[[nn.Module, ModelState, tuple, dict], None]]) -> None:
     """The pre-hook of ``root`` (see the module docstring): call it before xla_tp adds any other hook
     to ``root``, and ``install_exit`` after. The handles go to ``state``."""
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if depth() == 0 and state.home and not torch.compiler.is_compiling():
+            _check_on_device(module, state.home)
         _state.depth = depth() + 1
         if _state.depth == 1:
             _state.current, _state.inference = state, leave_inference()
