@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import PlanError
 from .graph import Graph, Node, Value
+from .routing import batched_experts
 
 BATCH, SEQ = 2, 8
 
@@ -162,7 +163,7 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
     with _own_hooks_only(model):
         handles = _scope_hooks(model, fqns, scope)
         try:
-            with fake, recorder:
+            with fake, recorder, batched_experts(model):
                 out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
         except PlanError:
             raise

@@ -23,9 +23,11 @@ from typing import Any, Mapping, Optional, Sequence
 from torch import nn
 
 from ..axes import canonical_axis, sizes_of
+from ..dataflow.routing import find_experts
 from ..dataflow.trace import trace
 from ..errors import PlanError
 from .plan import Plan, build_plan
+from .experts import assign as assign_experts
 from .roles import decide
 
 __all__ = ["Plan", "plan_for"]
@@ -57,7 +59,9 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
     graph = trace(model, example_inputs, example_kwargs)
-    roles = decide(graph, tp)
+    experts = find_experts(graph)
+    roles = decide(graph, tp, frozenset(experts.nodes))
+    assign_experts(roles, experts, tp)
     plan = build_plan(model, graph, roles)
     plan.mesh_sizes = sizes_of(mesh)
     if not plan:

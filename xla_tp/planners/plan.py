@@ -102,7 +102,7 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     """``natural``: what the module's own output is where the trace saw it used (a tied weight's
     embedding module emits partial sums, its head module split logits); else from its parameters."""
     kinds = {r.kind for r in params.values()}
-    kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN) if k in kinds)
+    kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN, Role.EXPERTS) if k in kinds)
     if natural is None:
         natural = "partial" if any(r.natural == "partial" for r in params.values()) else "shard"
     if kind in (Role.VOCAB, Role.HEAD):

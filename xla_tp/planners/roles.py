@@ -46,13 +46,15 @@ class Role(str, Enum):
     ROW = "row"  # it contracts split features back into the residual stream: one all-reduce
     VOCAB = "vocab"  # an embedding looked up with the input ids: rows split
     HEAD = "head"  # an output head: vocab rows split, logits stay split
+    EXPERTS = "experts"  # a routed experts weight ``[E, ...]``: split by experts or by their features
     REPLICATED = "replicated"
 
     @property
     def text(self) -> str:
         """``Role.HEAD.text == "vocab-parallel output head"``."""
         return {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel embedding",
-                "head": "vocab-parallel output head", "replicated": "replicated"}[self.value]
+                "head": "vocab-parallel output head", "experts": "routed experts",
+                "replicated": "replicated"}[self.value]
 
 
 @dataclass
@@ -92,14 +94,15 @@ class Roles:
         self.params[weight.name] = role
 
 
-def decide(graph: Graph, tp: int) -> Roles:
-    """See the module docstring."""
+def decide(graph: Graph, tp: int, routed: frozenset[int] = frozenset()) -> Roles:
+    """See the module docstring. ``routed``: nodes that multiply tokens by routed expert weights (not
+    attention: ``planners.experts``)."""
     roles = Roles()
     projs = projections(graph)
     regions = [explore(graph, p) for p in projs]
     taken: dict[int, str] = {}  # projection node index -> role kind
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
-    covered: set[int] = set()
+    covered: set[int] = set(routed)
     for group in _groups(regions):
         _apply_group(group, tp, roles, taken, reasons, covered)
     _mha(graph, tp, roles, covered)

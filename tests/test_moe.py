@@ -1,0 +1,151 @@
+"""Mixture-of-experts models under "auto" on a data=2 x model=4 mesh: routed experts in static slots.
+
+Each family (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, tiny configs, no example input) is compiled once
+for a training step (dropless: the model's own results) and once for a forward at the default
+capacity factor (the audit); every test reads those.
+"""
+import copy
+
+import pytest
+import torch
+import torch_xla
+
+import xla_tp
+from xla_tp.auditing.params import local_numel, sharding_string
+
+from .helpers import grads, max_err
+from .moe_models import build
+
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
+TP = 4
+
+
+def _step(model, ids):
+    out = model(ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    return out
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return xla_tp.make_mesh(data=2, model=TP)
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request, mesh):
+    torch.manual_seed(0)
+    cpu = build(request.param)
+    model = copy.deepcopy(cpu)
+    ids = torch.randint(0, 128, (4, 16))
+    ref = _step(cpu, ids)
+    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    out = _step(model, ids.to(torch_xla.device()))
+    aux = None if ref.aux_loss is None else (out.aux_loss.item(), ref.aux_loss.item())  # DeepSeek-V3 has none
+    result = {"name": request.param, "model": model, "cpu": cpu, "logits": max_err(out.logits, ref.logits),
+              "loss": (out.loss.item(), ref.loss.item()), "aux": aux, "grads": grads(model),
+              "report": xla_tp.moe_report(model)}
+    xla_tp.set_moe_options(model, capacity_factor=1.25, dropless=False)
+    result["audit"] = xla_tp.audit(model, torch.randint(0, 128, (4, 32)).to(torch_xla.device()), mesh=mesh)
+    return result
+
+
+def test_logits_loss_and_gradients_equal_the_cpu_model(family):
+    assert family["logits"] < 1e-4
+    assert family["loss"][0] == pytest.approx(family["loss"][1], abs=1e-5)
+    if family["aux"] is not None:  # the router's load-balancing loss, in the training loss
+        assert family["aux"][0] == pytest.approx(family["aux"][1], abs=1e-5) and family["aux"][1] > 0
+    cpu = {n: p.grad for n, p in family["cpu"].named_parameters() if p.grad is not None}
+    assert set(family["grads"]) == set(cpu)
+    worst = max(max_err(family["grads"][n], g) for n, g in cpu.items())
+    assert worst < 1e-4
+
+
+def test_expert_weights_and_their_gradients_stay_split(family):
+    model = family["model"]
+    experts = {n: p for n, p in model.named_parameters() if p.dim() == 3}
+    assert experts
+    for name, p in experts.items():
+        assert local_numel(tuple(p.shape), sharding_string(p)) * TP == p.numel(), name
+        assert sharding_string(p.grad) == sharding_string(p), name
+    report = family["audit"]
+    assert report.param_bytes_per_device <= 0.6 * report.param_bytes_total
+
+
+def test_one_reduction_per_layer_and_balance_at_capacity_factor_1_25(family):
+    report, layers = family["audit"], family["model"].config.num_hidden_layers
+    assert report.count("all-gather") == 0 and report.count("all-to-all") == 0
+    assert report.count("collective-permute") == 0
+    # OLMoE's q/k norms run over all heads: two more small reductions ([batch, seq]) per layer
+    extra = 2 * layers if family["name"] == "olmoe" else 0
+    assert report.count("all-reduce") <= 2 * layers + 2 + extra
+    assert report.compute_balance <= 1.30
+    assert report.comm_ratio <= 1.05
+
+
+def test_every_moe_layer_is_reported_expert_parallel_and_dropless(family):
+    report, model = family["report"], family["model"]
+    moe = [fqn for fqn, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
+    assert sorted(report) == sorted(moe)
+    for layer in report.values():
+        assert layer == {"layout": "expert-parallel", "capacity_factor": 1.25, "dropless": True,
+                         "routed": 4 * 16 * 2, "dropped": 0}
+
+
+def test_router_replicated_and_explained(mesh):
+    plan = xla_tp.plan_for(build("mixtral"), mesh=mesh)
+    assert plan.replicated["model.layers.0.mlp.gate.weight"].startswith("router of model.layers.0.mlp.experts")
+    assert plan.roles["model.layers.0.mlp.experts.down_proj"].why.startswith("expert-parallel: 8 experts split 4 ways")
+
+
+def test_expert_tensor_parallel_when_the_axis_does_not_divide_the_experts(mesh):
+    torch.manual_seed(0)
+    cpu = build("mixtral", experts=6)
+    model = copy.deepcopy(cpu)
+    plan = xla_tp.plan_for(model, mesh=mesh)
+    assert plan.roles["model.layers.0.mlp.experts.gate_up_proj"].axes == (None, "mlp", None)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in plan.packings  # gate and up re-laid device-major
+    xla_tp.parallelize_xla(model, plan, mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    ids = torch.randint(0, 128, (4, 16))
+    assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
+    assert {r["layout"] for r in xla_tp.moe_report(model).values()} == {"expert-tensor-parallel"}
+    xla_tp.set_moe_options(model, capacity_factor=0.5, dropless=False)  # half the slots: some dropped, counted
+    model(ids.to(torch_xla.device()))
+    (layer,) = xla_tp.moe_report(model).values()
+    assert layer["routed"] == 4 * 16 * 2 and 0 < layer["dropped"] < layer["routed"]
+    report = xla_tp.audit(model, ids.to(torch_xla.device()), mesh=mesh)
+    assert report.count("all-gather") == 0 and report.count("all-to-all") == 0
+    assert report.count("all-reduce") <= 2 * 1 + 2 and report.count("collective-permute") == 0
+    assert model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].cpu().equal(
+        cpu.state_dict()["model.layers.0.mlp.experts.gate_up_proj"])  # saved in the original order
+
+
+def test_fsdp_tp_ep_mesh_trains_like_cpu():
+    mesh = xla_tp.make_mesh(fsdp=2, model=TP)
+    torch.manual_seed(0)
+    cpu = build("mixtral")
+    model = copy.deepcopy(cpu)
+    ids = torch.randint(0, 128, (4, 16))
+    ref = _step(cpu, ids)
+    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    out = _step(model, ids.to(torch_xla.device()))
+    assert max_err(out.logits, ref.logits) < 1e-4
+    got = grads(model)
+    assert max(max_err(got[n], p.grad) for n, p in cpu.named_parameters()) < 1e-4
+    w = model.model.layers[0].mlp.experts.gate_up_proj
+    assert local_numel(tuple(w.shape), sharding_string(w)) * 2 * TP == w.numel()  # experts x fsdp shards
+
+
+def test_unparallelize_takes_the_lowering_off(mesh):
+    from xla_tp.lowering.routed import expert_set
+    model = xla_tp.parallelize_xla(build("olmoe"), "auto", mesh=mesh)
+    experts = model.model.layers[0].mlp.experts
+    assert expert_set(experts) is not None
+    xla_tp.unparallelize(model)
+    assert expert_set(experts) is None
+    with pytest.raises(xla_tp.PlanError, match="no parallelized mixture-of-experts layer"):
+        xla_tp.set_moe_options(model, dropless=True)
+    with pytest.raises(ValueError, match="capacity_factor must be > 0"):
+        xla_tp.set_moe_options(xla_tp.parallelize_xla(model, "auto", mesh=mesh), capacity_factor=0)
