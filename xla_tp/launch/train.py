@@ -31,7 +31,7 @@ from torch import nn
 from ..axes import batch_axes, spec_entry
 from .checkpoints import Checkpoints
 from .data import IGNORE, Batches
-from .model import ModelShape
+from .model import ModelShape, active_parameters
 from .progress import Reporter
 from .recipe import OptimizerSpec, Recipe
 
@@ -71,8 +71,9 @@ def causal_or_masked_loss(task: str):
 
 
 def flops_per_token(model: nn.Module, shape: ModelShape, seq_len: int) -> int:
-    """Training FLOPs per token: ``6 * N + 12 * layers * heads * head_dim * seq_len``."""
-    n = sum(p.numel() for p in model.parameters())
+    """Training FLOPs per token: ``6 * N + 12 * layers * heads * head_dim * seq_len`` (``N``: the parameters a
+    token computes with; an MoE model's routed experts count ``top_k / E``)."""
+    n = active_parameters(model, shape)
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     if out is None or out.weight is not emb:

@@ -66,12 +66,13 @@ def _no_parallel(style: Any, module: nn.Module) -> Style:
 def _tensor_parallel(style: Any, module: nn.Module) -> Style:
     specs = {"w1": (None, TP, None), "w3": (None, TP, None), "w2": (None, None, TP)}
     own = dict(module.named_parameters(recurse=False))
-    return ShardParams({n: s for n, s in specs.items() if n in own and own[n].dim() == 3}, natural_output=Partial())
+    return ShardParams({n: s for n, s in specs.items() if n in own and own[n].dim() == 3}, natural_output=Partial(),
+                       input_grad=True)
 
 
 def _expert_parallel(style: Any, module: nn.Module) -> Style:
     return ShardParams({n: (TP, *[None] * (p.dim() - 1)) for n, p in module.named_parameters(recurse=False)},
-                       natural_output=Partial())
+                       natural_output=Partial(), input_grad=True)
 
 
 _TITAN = "torchtitan.distributed"

@@ -111,7 +111,7 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     # compute part of the head's backward whole (measured with JAX's partitioner)
     outputs = ((Shard(-1),),) if kind == Role.HEAD else ()
     return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text,
-                        Partial() if natural == "partial" else Shard(-1), outputs)
+                        Partial() if natural == "partial" else Shard(-1), outputs, input_grad=kind == Role.EXPERTS)
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:
