@@ -78,6 +78,8 @@ def find_at_call(root: nn.Module, state: ModelState, args: tuple, kwargs: dict, 
     graph = traced(root) or _traced_call(root, args, kwargs)
     if graph is not None:
         find(root, state, graph, embeddings)
+    else:  # no column groups or tables; grouped experts come from the layout alone
+        state.experts = install_experts(root, state, None, layout_of(root))
     state.pending = False  # found, or not to be found: the plain program, one reduction per projection
 
 

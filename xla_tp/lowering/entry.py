@@ -120,7 +120,12 @@ def _histc(x: Any, bins: int = 100, min: float = 0, max: float = 0, **kwargs: An
 
 
 def histc(original: Callable[..., Any]) -> Callable[..., Any]:
-    return _lowered(original, _histc)
+    """Inside a parallelized model, its unsharded reference (the audit's) included: it is not a layout."""
+    @functools.wraps(original)
+    def static_histc(*args: Any, **kwargs: Any) -> Any:
+        out = _histc(*args, **kwargs) if scope.inside() else NotImplemented
+        return original(*args, **kwargs) if out is NotImplemented else out
+    return static_histc
 
 
 def sdpa(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -27,6 +27,7 @@ its dispatched activations take ``1/N`` of the memory. Tokens are routed within 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -79,11 +80,12 @@ class ExpertSet:
 
 
 def _chunked_weights(es: ExpertSet, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up`` as ``[t, e, 2, i, H]`` and ``down`` as ``[t, e, H, i]`` for the layout's chunks."""
-    experts, packed, hidden = gate_up.shape
-    inter, c = packed // 2, es.chunks
+    """``gate_up`` (``[E, 2I, H]`` packed, or ``[E, 2, I, H]`` stacked) as ``[t, e, 2, i, H]`` and ``down``
+    as ``[t, e, H, i]`` for the layout's chunks."""
+    experts, hidden, c = gate_up.shape[0], gate_up.shape[-1], es.chunks
+    inter = gate_up.shape[2] if gate_up.dim() == 4 else gate_up.shape[1] // 2
     if es.layout == "expert-tensor-parallel":
-        up = (gate_up.reshape(experts, c, 2, inter // c, hidden).transpose(0, 1) if es.relaid
+        up = (gate_up.reshape(experts, c, 2, inter // c, hidden).transpose(0, 1) if es.relaid and gate_up.dim() == 3
               else gate_up.reshape(experts, 2, c, inter // c, hidden).permute(2, 0, 1, 3, 4))
         return up, down.reshape(experts, hidden, c, inter // c).permute(2, 0, 1, 3)
     return (gate_up.reshape(c, experts // c, 2, inter, hidden), down.reshape(c, experts // c, hidden, inter))
@@ -95,6 +97,13 @@ def _chunked_slots(es: ExpertSet, table: torch.Tensor) -> torch.Tensor:
         return table.unsqueeze(0).expand(es.chunks, *table.shape)
     groups, n = table.shape
     return table.view(groups, es.chunks, n // es.chunks).transpose(0, 1)
+
+
+def even(es: ExpertSet, tokens: int, top_k: int, experts: int) -> tuple[ExpertSet, int]:
+    """The unsharded reference of ``es`` (the audit's, lowering suspended) and its capacity: an even
+    routing, whose expert FLOPs are the model's active-expert FLOPs."""
+    groups = es.groups if tokens % es.groups == 0 else 1
+    return ExpertSet("replicated", 1, groups=groups, weights=es.weights), max(1, math.ceil(tokens // groups * top_k / experts))
 
 
 def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Gate,

@@ -37,32 +37,35 @@ from ..errors import PlanError
 from ..plan.layout import Layout, uses_axis
 from ..state import ModelState, ensure_param_state, param_state, states_under
 from . import scope
-from .experts import ExpertSet, MoeOptions, run
+from .experts import ExpertSet, MoeOptions, even, run
+from .grouped import GroupedForward, install_grouped
 
 FALLBACK = "batched_mm"
 _sets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # MoE layer module -> its ExpertSet
 
 
-def _layout_of(spec: tuple, expert_dim: int, feature: int, axis: str) -> str:
+def _layout_of(spec: tuple, axis: str, expert_dim: int = 0) -> str:
+    """The layout of an experts weight laid out as ``spec`` (its experts on ``expert_dim``)."""
     if axis in (spec[expert_dim] if isinstance(spec[expert_dim], tuple) else (spec[expert_dim],)):
         return "expert-parallel"
     return "expert-tensor-parallel" if uses_axis(spec, axis) else "replicated"
 
 
-def install_experts(root: nn.Module, state: ModelState, graph: Graph, layout: Layout) -> list[str]:
-    """Mark every MoE layer of ``root`` found in ``graph``; their module FQNs."""
+def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], layout: Layout) -> list[str]:
+    """Mark every MoE layer of ``root`` found in ``graph`` (None: not traced) and every grouped-experts
+    module its layout names (``grouped``); their module FQNs."""
     sizes = dict(zip(state.mesh.axis_names, (int(s) for s in state.mesh.mesh_shape)))
     batch = tuple(a for a in layout.batch_axes if sizes.get(a, 1) > 1)
     groups = math.prod(sizes[a] for a in batch)
     options = state.moe_options or MoeOptions()
     state.moe_options = options
     marked = []
-    for layer in find_experts(graph).layers:
+    for layer in find_experts(graph).layers if graph is not None else ():
         if len(layer.weights) != 2:
             continue
         up, down = layer.weights
         spec = layout.params.get(up.param.name, (None,) * len(up.param.shape))
-        kind = _layout_of(spec, up.expert_dim, up.kept, layout.tp_axis)
+        kind = _layout_of(spec, layout.tp_axis, up.expert_dim)
         weight = root.get_parameter(up.param.name)
         names = (up.param.name.rpartition(".")[2], up.contracted == 1, down.param.name.rpartition(".")[2],
                  down.contracted == 1)
@@ -73,7 +76,7 @@ def install_experts(root: nn.Module, state: ModelState, graph: Graph, layout: La
             ensure_param_state(root.get_parameter(name)).experts = es
         _sets[root.get_submodule(layer.module)] = es
         marked.append(layer.module)
-    return marked
+    return marked + install_grouped(root, state, layout, _layout_of, _sets)
 
 
 def uninstall_experts(model: nn.Module) -> None:
@@ -83,6 +86,8 @@ def uninstall_experts(model: nn.Module) -> None:
             ps.experts = None
     for module in model.modules():
         _sets.pop(module, None)
+        if isinstance(module.__dict__.get("forward"), GroupedForward):
+            del module.forward
 
 
 def expert_set(module: nn.Module) -> Optional[ExpertSet]:
@@ -106,13 +111,9 @@ def hf_forward(module: nn.Module, es: ExpertSet, hidden: torch.Tensor, ids: torc
         return module._apply_gate(torch.cat([g, u], -1))
 
     if scope.lowering():
-        out = run(es, hidden, ids, weights, gate, up, down)
-    else:  # the unsharded reference: an even routing, the active experts' FLOPs
-        plain = ExpertSet("replicated", 1, groups=es.groups, weights=es.weights)
-        per_group = hidden.shape[0] // (es.groups if hidden.shape[0] % es.groups == 0 else 1)
-        out = run(plain, hidden, ids, weights, gate, up, down,
-                  capacity=max(1, math.ceil(per_group * ids.shape[-1] / up.shape[0])))
-    return out.to(hidden.dtype)
+        return run(es, hidden, ids, weights, gate, up, down).to(hidden.dtype)
+    plain, capacity = even(es, hidden.shape[0], ids.shape[-1], up.shape[0])  # the audit's unsharded reference
+    return run(plain, hidden, ids, weights, gate, up, down, capacity=capacity).to(hidden.dtype)
 
 
 def experts_interface(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -154,13 +155,14 @@ def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
                     dropless: Optional[bool] = None) -> MoeOptions:
     """Set the slots per expert of every parallelized MoE layer of ``model``: ``capacity_factor``
     (default 1.25) x the even share of a batch shard's assignments, or ``dropless=True`` (slots for
-    the worst case: results equal to the model's own implementation). Returns the options."""
-    found = [state for _, _, state in states_under(model) if state.moe_options is not None]
+    the worst case: results equal to the model's own implementation). Returns the options. Before the
+    first forward of a model whose layers are found then, they are kept for those layers."""
+    found = [state for _, _, state in states_under(model)]
     if not found:
-        raise PlanError(f"{type(model).__name__} has no parallelized mixture-of-experts layer; parallelize it "
-                        f"first (parallelize_xla) and pass the model it returned")
-    for state in found:
-        options = state.moe_options
+        raise PlanError(f"{type(model).__name__} is not parallelized; parallelize it first (parallelize_xla) and "
+                        f"pass the model it returned")
+    for state in found:  # MoE layers found at the first forward take these too
+        options = state.moe_options = state.moe_options or MoeOptions()
         if capacity_factor is not None:
             options.capacity_factor = capacity_factor
             options.__post_init__()
