@@ -93,6 +93,8 @@ def test_every_moe_layer_is_reported_expert_parallel_and_dropless(family):
 
 
 def test_router_replicated_and_explained(mesh):
+    with pytest.raises(xla_tp.PlanError, match="is not an experts layout"):
+        xla_tp.plan_for(build("mixtral"), mesh=mesh, experts="expert_parallel")
     plan = xla_tp.plan_for(build("mixtral"), mesh=mesh)
     assert plan.replicated["model.layers.0.mlp.gate.weight"].startswith("router of model.layers.0.mlp.experts")
     assert plan.roles["model.layers.0.mlp.experts.down_proj"].why.startswith("expert-parallel: 8 experts split 4 ways")
@@ -149,3 +151,15 @@ def test_unparallelize_takes_the_lowering_off(mesh):
         xla_tp.set_moe_options(model, dropless=True)
     with pytest.raises(ValueError, match="capacity_factor must be > 0"):
         xla_tp.set_moe_options(xla_tp.parallelize_xla(model, "auto", mesh=mesh), capacity_factor=0)
+
+
+def test_hf_moe_strings_lower_to_expert_tensor_parallel(mesh):
+    torch.manual_seed(0)
+    cpu = build("mixtral")
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "hf", mesh=mesh)  # packed_colwise, rowwise, moe_tp_experts
+    xla_tp.set_moe_options(model, dropless=True)
+    ids = torch.randint(0, 128, (4, 16))
+    assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
+    assert {r["layout"] for r in xla_tp.moe_report(model).values()} == {"expert-tensor-parallel"}
+    report = xla_tp.audit(model, ids.to(torch_xla.device()), mesh=mesh)
+    assert report.count("collective-permute") == 0 and report.count("all-to-all") == 0  # gate/up re-laid as HF's

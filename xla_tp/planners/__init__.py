@@ -45,7 +45,7 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
-             example_kwargs: Optional[Mapping[str, Any]] = None) -> Plan:
+             example_kwargs: Optional[Mapping[str, Any]] = None, experts: Optional[str] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
     ``mesh`` is a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes such as ``{"model": 4}`` (``xla_tp.plan_for``
@@ -53,15 +53,17 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
     floats of its first layer's width otherwise). Attention that cannot be split is a ``PlanError``;
     a weight whose role cannot be determined stays replicated, its reason in ``plan.replicated``.
+    ``experts`` picks the layout of mixture-of-experts layers (``"expert-parallel"``,
+    ``"expert-tensor-parallel"``, ``"replicated"``) instead of the cheapest (``planners.experts``).
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
     graph = trace(model, example_inputs, example_kwargs)
-    experts = find_experts(graph)
-    roles = decide(graph, tp, frozenset(experts.nodes))
-    assign_experts(roles, experts, tp)
+    found = find_experts(graph)
+    roles = decide(graph, tp, frozenset(found.nodes))
+    assign_experts(roles, found, tp, experts)
     plan = build_plan(model, graph, roles)
     plan.mesh_sizes = sizes_of(mesh)
     if not plan:
