@@ -12,10 +12,13 @@ Transformers picks an experts implementation per config (``grouped_mm``, ``eager
 runs the ``batched_mm`` one (``batched_experts``), whose per-token ``w[ids]`` is what is read here.
 Example:
 
+>>> from transformers import MixtralConfig, MixtralForCausalLM
 >>> from xla_tp.dataflow.trace import trace
->>> found = find_experts(trace(tiny_moe()))                     # doctest: +SKIP
->>> [(w.param.name, w.expert_dim, w.contracted, w.kept) for w in found.layers[0].weights]   # doctest: +SKIP
-[('model.layers.0.mlp.experts.gate_up_proj', 0, 2, 1), ('model.layers.0.mlp.experts.down_proj', 0, 2, 1)]
+>>> moe = MixtralForCausalLM(MixtralConfig(hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+...                          num_attention_heads=2, num_key_value_heads=2, vocab_size=32, num_local_experts=4))
+>>> layer = find_experts(trace(moe)).layers[0]
+>>> layer.router.name, layer.top_k, [(w.param.name.rpartition(".")[2], w.contracted, w.kept) for w in layer.weights]
+('model.layers.0.mlp.gate.weight', 2, [('gate_up_proj', 2, 1), ('down_proj', 2, 1)])
 """
 from __future__ import annotations
 
