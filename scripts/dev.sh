@@ -26,7 +26,9 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 py="$venv/bin/python"
 case "$job" in
   demo)  exec "$py" -m xla_tp.cli launch --check "$@" ;;
-  test)  "$venv/bin/ruff" check --quiet xla_tp tests bench && exec "$py" -m pytest -q tests "$@" ;;
+  # two workers (XLA_TP_TEST_WORKERS): each holds 8 emulated devices; tests sharing a compiled fixture stay together
+  test)  "$venv/bin/ruff" check --quiet xla_tp tests bench &&
+         exec "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadgroup tests "$@" ;;
   bench) exec "$py" -m bench "$@" ;;
   *) echo "unknown job '$job': use demo, test or bench" >&2; exit 2 ;;
 esac

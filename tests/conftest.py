@@ -1,14 +1,20 @@
 """Test session set-up: 8 emulated XLA CPU devices, SPMD on, post-partition HLO readable.
 
 The environment must be set before torch_xla is imported (README, "torch_xla behaviours"), and the XLA runtime must
-execute something before any CPU backward runs in the process (the CPU-backward trap).
+execute something before any CPU backward runs in the process (the CPU-backward trap). The CPU backend compiles
+with LLVM at -O0 (``--xla_backend_optimization_level=0``): XLA's HLO passes, the SPMD partitioner and so the
+partitioned program the tests read are unchanged, and compiling takes about half the CPU time. Tests that run a
+script as a user does (``fresh.run_fresh``) get none of these variables.
 """
 import os
+
+from .fresh import FAST_COMPILE
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
 os.environ.setdefault("XLA_DUMP_POST_OPTIMIZATIONS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE["XLA_FLAGS"]]).strip()
 
 import pytest  # noqa: E402
 import torch_xla.distributed.spmd as xs  # noqa: E402
@@ -26,3 +32,18 @@ def _no_global_mesh():
     xs.set_global_mesh(None)
     yield
     xs.set_global_mesh(None)
+
+
+CHEAP_FIXTURES = {"mesh"}  # module fixtures that cost nothing to build twice
+
+
+def pytest_collection_modifyitems(items):
+    """With pytest-xdist (``--dist loadgroup``, what the test command uses): tests that share a costly
+    module- or session-scoped fixture (a compiled model, a fresh process's results) run on one worker, so
+    it is built once; every other test goes to whichever worker is free."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        shared = sorted(f"{d.baseid}::{name}" for name, defs in (info.name2fixturedefs.items() if info else ())
+                        for d in defs if d.scope in ("module", "session") and name not in CHEAP_FIXTURES)
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(shared[0]))

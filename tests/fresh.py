@@ -1,6 +1,8 @@
 """Run a script the way a user does: a fresh Python, only PJRT_DEVICE/CPU_NUM_DEVICES (plus PATH/HOME).
 
-The test session's own variables (``XLA_DUMP_POST_OPTIMIZATIONS`` from conftest) never reach it.
+The test session's own variables (``XLA_DUMP_POST_OPTIMIZATIONS`` from conftest) never reach it. A test that
+needs a fresh process for isolation, not as a user path (one process per compared run), may ask for the
+suite's faster CPU compiles (``fast_compile``: LLVM at -O0, same partitioned program).
 """
 from __future__ import annotations
 
@@ -18,9 +20,13 @@ def user_env(devices: int = 8) -> dict[str, str]:
     return env
 
 
-def run_fresh(script: str, timeout: int = 600) -> str:
+FAST_COMPILE = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
+
+
+def run_fresh(script: str, timeout: int = 600, *, fast_compile: bool = False) -> str:
     """stdout of ``python -c script`` run from the repository root; fails the test with stderr otherwise."""
-    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=user_env(), capture_output=True,
+    env = {**user_env(), **(FAST_COMPILE if fast_compile else {})}
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-4000:]
     return result.stdout

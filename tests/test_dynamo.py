@@ -71,7 +71,7 @@ print(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def results():
-    return json.loads(run_fresh(SCRIPT).strip().splitlines()[-1])
+    return json.loads(run_fresh(SCRIPT, fast_compile=True).strip().splitlines()[-1])
 
 
 @pytest.mark.parametrize("case", ["auto/model", "user/model", "user/step", "gpt2/model", "qwen3/model", "bert/model",

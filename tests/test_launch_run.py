@@ -134,6 +134,9 @@ def _files(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+SMALL = ["model.overrides.num_hidden_layers=1", "seq_len=32"]  # runs about checkpoints: the smallest model will do
+
+
 def _launch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*LAUNCH, *args], cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=600)
 
@@ -145,7 +148,7 @@ def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_wa
     --overwrite then starts over, the earlier checkpoints moved aside intact."""
     ckpt = tmp_path / "ckpt"
     common = ["tiny-llama-cpu", "--no-audit", "steps=9", "log_interval=1", f"checkpoint.dir={ckpt}",
-              "checkpoint.interval=3"]
+              "checkpoint.interval=3", *SMALL]
     first = _launch(*common, "--run-dir", str(tmp_path / "a"))
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
     saved = sorted(p.name for p in ckpt.iterdir())
@@ -180,7 +183,7 @@ def test_kill_9_then_resume_holds_each_step_once_and_records_the_resume(tmp_path
     checkpoint are dropped and trained again, so each step is in metrics.jsonl once, after a resume record."""
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
     common = ["tiny-llama-cpu", "--no-audit", "log_interval=1", f"checkpoint.dir={ckpt}", "checkpoint.interval=3",
-              "model.overrides.num_hidden_layers=2", "--run-dir", str(run_dir)]
+              *SMALL, "--run-dir", str(run_dir)]
     proc = subprocess.Popen([*LAUNCH, *common, "steps=100000"], cwd=ROOT, env=user_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

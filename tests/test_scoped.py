@@ -76,8 +76,8 @@ def test_unrelated_models_compute_what_they_compute_without_xla_tp():
     """CPU and XLA, eager (CPU with torch.utils.checkpoint) and torch.compile: SDPA, 4-D matmul, LayerNorm,
     an embedding and a slice, after another model was parallelized (its effects
     installed), bit for bit as in a process that never imported xla_tp."""
-    alone = json.loads(run_fresh(NEVER_IMPORTED).strip().splitlines()[-1])
-    beside = json.loads(run_fresh(BESIDE_A_PARALLELIZED_MODEL).strip().splitlines()[-1])
+    alone = json.loads(run_fresh(NEVER_IMPORTED, fast_compile=True).strip().splitlines()[-1])
+    beside = json.loads(run_fresh(BESIDE_A_PARALLELIZED_MODEL, fast_compile=True).strip().splitlines()[-1])
     assert beside == alone
 
 
@@ -128,7 +128,7 @@ def test_torch_functions_are_the_originals_once_no_parallelized_model_remains():
     """While a model is parallelized, xla_tp's effects are installed; after ``unparallelize`` of the last
     one (or once it is garbage-collected) every function is torch's own object again, the optimizer
     hooks and ``torch.xla`` are gone, and the model carries nothing of xla_tp."""
-    out = json.loads(run_fresh(ORIGINALS).strip().splitlines()[-1])
+    out = json.loads(run_fresh(ORIGINALS, fast_compile=True).strip().splitlines()[-1])
     everything = ["addmm", "at", "bridge", "embedding", "getitem", "layer_norm", "linear", "matmul", "mha",
                   "optimizer_hooks", "sdpa", "tensor_matmul", "torch.xla"]
     assert out["while_parallelized"] == everything
