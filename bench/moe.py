@@ -81,6 +81,13 @@ def run_one(name: str, route: str) -> dict:
             "param_bytes_per_device": report.param_bytes_per_device, "param_bytes_total": report.param_bytes_total}
 
 
+def _error(stderr: str) -> str:
+    """The child's exception line (XLA's own log lines left out), or its last line."""
+    lines = [line for line in stderr.strip().splitlines() if line and not line[:4].isdigit()]
+    errors = [line for line in lines if "Error" in line.split(":")[0] or "Exception" in line.split(":")[0]]
+    return (errors or lines or ["no output"])[-1]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.moe")
     parser.add_argument("--model", choices=sorted(MODELS), action="append")
@@ -99,7 +106,7 @@ def main(argv=None) -> int:
                                   capture_output=True, text=True, cwd=Path(__file__).parent.parent)
             found = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
             rows.append(json.loads(found[0]) if found else
-                        {"model": name, "route": route, "status": f"fails: {done.stderr.strip().splitlines()[-1:]}"})
+                        {"model": name, "route": route, "status": f"fails ({done.returncode}): {_error(done.stderr)}"})
             print(json.dumps(rows[-1]), flush=True)
     write_result(args.out, "moe.json", {"tokens": list(TOKENS), "mesh": "data=2 x model=4", "rows": rows})
     return 0

@@ -26,6 +26,18 @@ def _step(model, ids):
     return out
 
 
+def _trained(name: str, mesh):
+    """(CPU model, its step's output, the model under "auto" dropless, its step's output)."""
+    torch.manual_seed(0)
+    cpu = build(name)
+    model = copy.deepcopy(cpu)
+    ids = torch.randint(0, 128, (4, 16))
+    ref = _step(cpu, ids)
+    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    return cpu, ref, model, _step(model, ids.to(torch_xla.device()))
+
+
 @pytest.fixture(scope="module")
 def mesh():
     return xla_tp.make_mesh(data=2, model=TP)
@@ -33,14 +45,7 @@ def mesh():
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, mesh):
-    torch.manual_seed(0)
-    cpu = build(request.param)
-    model = copy.deepcopy(cpu)
-    ids = torch.randint(0, 128, (4, 16))
-    ref = _step(cpu, ids)
-    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
-    out = _step(model, ids.to(torch_xla.device()))
+    cpu, ref, model, out = _trained(request.param, mesh)
     aux = None if ref.aux_loss is None else (out.aux_loss.item(), ref.aux_loss.item())  # DeepSeek-V3 has none
     result = {"name": request.param, "model": model, "cpu": cpu, "logits": max_err(out.logits, ref.logits),
               "loss": (out.loss.item(), ref.loss.item()), "aux": aux, "grads": grads(model),
@@ -124,15 +129,7 @@ def test_expert_tensor_parallel_when_the_axis_does_not_divide_the_experts(mesh):
 
 
 def test_fsdp_tp_ep_mesh_trains_like_cpu():
-    mesh = xla_tp.make_mesh(fsdp=2, model=TP)
-    torch.manual_seed(0)
-    cpu = build("mixtral")
-    model = copy.deepcopy(cpu)
-    ids = torch.randint(0, 128, (4, 16))
-    ref = _step(cpu, ids)
-    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
-    out = _step(model, ids.to(torch_xla.device()))
+    cpu, ref, model, out = _trained("mixtral", xla_tp.make_mesh(fsdp=2, model=TP))
     assert max_err(out.logits, ref.logits) < 1e-4
     got = grads(model)
     assert max(max_err(got[n], p.grad) for n, p in cpu.named_parameters()) < 1e-4
