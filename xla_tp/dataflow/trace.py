@@ -65,8 +65,8 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = op_name(func)
+        out = _call(func, name, args, kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
         tensors_in = [t for t in flat_in if isinstance(t, torch.Tensor)]
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -91,6 +91,15 @@ class _Recorder(TorchFunctionMode):
         node.outputs = tuple(outs)
         self.graph.nodes.append(node)
         return out
+
+
+def _call(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``; a histogram of integers (MoE routers count expert choices so; fake
+    tensors, like the CPU, count floats only) as one of floats."""
+    first = args[0] if args else None
+    if name == "histc" and isinstance(first, torch.Tensor) and not first.is_floating_point():
+        return func(first.float(), *args[1:], **kwargs).to(first.dtype)
+    return func(*args, **kwargs)
 
 
 def _shape_only(name: str) -> bool:

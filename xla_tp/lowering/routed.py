@@ -27,6 +27,7 @@ import warnings
 from typing import Any, Callable, Optional
 
 import torch
+import torch_xla.distributed.spmd as xs
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -53,7 +54,10 @@ def _layout_of(spec: tuple, axis: str, expert_dim: int = 0) -> str:
 
 def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], layout: Layout) -> list[str]:
     """Mark every MoE layer of ``root`` found in ``graph`` (None: not traced) and every grouped-experts
-    module its layout names (``grouped``); their module FQNs."""
+    module its layout names (``grouped``); their module FQNs. Only on torch_xla: the JAX backend runs
+    the model's own experts implementation."""
+    if not isinstance(state.mesh, xs.Mesh):
+        return []
     sizes = dict(zip(state.mesh.axis_names, (int(s) for s in state.mesh.mesh_shape)))
     batch = tuple(a for a in layout.batch_axes if sizes.get(a, 1) > 1)
     groups = math.prod(sizes[a] for a in batch)
