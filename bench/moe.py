@@ -13,7 +13,9 @@ one ``xs.mark_sharding`` per weight, experts computed by transformers' ``batched
 implementations XLA runs). Each row is the forward audit of a batch of 4 x 128 tokens at capacity
 factor 1.25: collectives, comm ratio (against the plan's own minimum), compute balance (against the
 model's active-expert FLOPs) and parameter bytes per device. Writes ``bench/results/moe.json``.
-Example: ``python -m bench.moe`` (a few minutes), ``--model mixtral-8x7b``.
+Example: ``python -m bench.moe`` (about 8 minutes here; the DeepSeek-V3 children peak near 20 GB of host
+memory), ``--model mixtral-8x7b``. On a loaded machine a child can die in XLA's CPU collectives (a
+device thread 10 s late to an all-reduce: "Termination timeout"); its row says so, and a rerun measures it.
 """
 from __future__ import annotations
 
