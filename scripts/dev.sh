@@ -26,9 +26,10 @@ export TF_CPP_MIN_LOG_LEVEL="${TF_CPP_MIN_LOG_LEVEL:-2}"
 py="$venv/bin/python"
 case "$job" in
   demo)  exec "$py" -m xla_tp.cli launch --check "$@" ;;
-  # two workers (XLA_TP_TEST_WORKERS): each holds 8 emulated devices; tests sharing a compiled fixture stay together
+  # two workers (XLA_TP_TEST_WORKERS), each with 8 emulated devices; a test file runs whole on one worker, so
+  # its module fixtures (a compiled model, a fresh process's results) are built once
   test)  "$venv/bin/ruff" check --quiet xla_tp tests bench &&
-         exec "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadgroup tests "$@" ;;
+         exec "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadfile tests "$@" ;;
   bench) exec "$py" -m bench "$@" ;;
   *) echo "unknown job '$job': use demo, test or bench" >&2; exit 2 ;;
 esac

@@ -32,18 +32,3 @@ def _no_global_mesh():
     xs.set_global_mesh(None)
     yield
     xs.set_global_mesh(None)
-
-
-CHEAP_FIXTURES = {"mesh"}  # module fixtures that cost nothing to build twice
-
-
-def pytest_collection_modifyitems(items):
-    """With pytest-xdist (``--dist loadgroup``, what the test command uses): tests that share a costly
-    module- or session-scoped fixture (a compiled model, a fresh process's results) run on one worker, so
-    it is built once; every other test goes to whichever worker is free."""
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        shared = sorted(f"{d.baseid}::{name}" for name, defs in (info.name2fixturedefs.items() if info else ())
-                        for d in defs if d.scope in ("module", "session") and name not in CHEAP_FIXTURES)
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(shared[0]))
