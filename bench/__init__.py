@@ -1,4 +1,5 @@
-"""Benchmarks (``python -m bench``, ``python -m bench.optimizers``, ``python -m bench.meta_init``)."""
+"""Benchmarks (``python -m bench``, ``python -m bench.optimizers``, ``python -m bench.meta_init``,
+``python -m bench.generation``)."""
 import json
 from pathlib import Path
 

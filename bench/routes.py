@@ -18,7 +18,7 @@ import xla_tp
 from xla_tp.auditing.run import unsharded_dot_flops, audit_here
 from xla_tp import layout_of
 from xla_tp.plan.normalize import build_layout
-from xla_tp.planners import plan_for
+from xla_tp import plan_for
 from xla_tp.zoo import registry
 
 from .jax_route import ROUTE as JAX_ROUTE, jax_row

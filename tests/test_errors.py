@@ -35,7 +35,6 @@ CASES = [
     (lambda: MLP(16, 32), {"fc1": Fancy()}, {}, PlanError, ["Fancy", "'fc1'"]),
     (lambda: MLP(16, 32), {"fc1": ColwiseParallel()}, {"backend": "jax"}, PlanError, ["'jax'"]),
     (lambda: MLP(16, 32), [("fc1", ColwiseParallel())], {}, PlanError, ["list"]),
-    (lambda: nn.Sequential(nn.Conv1d(4, 4, 3)), "auto", {}, PlanError, ["Sequential", "example_inputs"]),
     (lambda: MLP(16, 32), "megatron", {}, PlanError, ["'megatron'", "'auto'"]),
     (lambda: MLP(16, 32), {"re:fc[": ColwiseParallel()}, {}, PlanError, ["'re:fc['", "regular expression"]),
     (lambda: MLP(16, 32), {"fc*": ColwiseParallel(), "re:fc.": RowwiseParallel(), "f?1": RowwiseParallel()}, {},
@@ -52,6 +51,17 @@ def test_bad_plan_raises_and_leaves_model_untouched(factory, plan, kwargs, error
     for word in words:
         assert word in str(info.value), (word, str(info.value))
     assert_unchanged(model, snap)
+
+
+def test_auto_without_an_input_to_make_up_waits_for_the_first_call():
+    """No input can be made up for a lone Conv1d: plan_for says to pass one; parallelize_xla(model, "auto") does
+    not refuse a model that may run, it plans at the model's first call and touches nothing before."""
+    model = nn.Sequential(nn.Conv1d(4, 4, 3))
+    with pytest.raises(PlanError, match="Sequential.*example_inputs"):
+        xla_tp.plan_for(model, mesh={"model": 8})
+    with pytest.warns(UserWarning, match="planned and parallelized at its first call"):
+        xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(model=8))
+    assert model[0].weight.device.type == "cpu"
 
 
 def test_unmatched_key_suggests_wildcard_fqn():

@@ -59,6 +59,18 @@ def test_user_attention_compiles_with_heads_split_and_same_values(variant):
     assert max_err(out, ref(x, mask)) < 1e-5
 
 
+def test_a_query_with_no_key_to_attend_gets_zeros_as_in_torch():
+    """A left-padded position masks every key: torch's SDPA gives it zeros, and so does the lowering (not NaN,
+    which the next layer would spread through the padding's keys and values into every token)."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask[:2] = False
+    for attn_mask in (mask, torch.zeros(5, 5).masked_fill(~mask, float("-inf"))):
+        got = attention.sdpa(q, k, v, attn_mask=attn_mask)
+        assert torch.equal(got[..., :2, :], torch.zeros(2, 4, 2, 8))
+        assert torch.allclose(got, F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask), atol=1e-6)
+
+
 def test_sdpa_dropout_applies_only_when_asked():
     q = k = v = torch.randn(2, 4, 6, 8)
     assert torch.equal(attention.sdpa(q, k, v, dropout_p=0.0), attention.sdpa(q, k, v))

@@ -9,7 +9,7 @@ from torch import nn
 
 import xla_tp
 from xla_tp import PlanError
-from xla_tp.planners import plan_for
+from xla_tp import compat, plan_for
 from xla_tp.zoo.registry import build
 
 from .helpers import assert_unchanged, max_err, snapshot
@@ -73,23 +73,66 @@ def test_packed_relayout_happens_only_after_validation(mesh):
     assert_unchanged(model, snap)
 
 
-def test_attention_auto_cannot_shard_is_refused_with_what_it_saw(mesh):
-    """BLOOM merges batch and heads into one dim before its bmm: auto refuses instead of guessing."""
-    cfg = transformers.BloomConfig(hidden_size=64, n_layer=1, n_head=8, vocab_size=128)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+class NormedQKV(nn.Module):
+    """Attention whose packed q/k/v are normalised over all their features first: no split keeps them."""
+
+    def __init__(self, dim: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.o = heads, nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        qkv = nn.functional.layer_norm(self.qkv(x), (3 * d,))
+        q, k, v = (t.view(b, s, self.heads, -1).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+        return self.o(nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, d))
+
+
+def test_attention_nothing_splits_is_computed_whole_and_strict_refuses_it(mesh):
+    """Never a refusal by default: the attention runs whole (said in the plan); strict=True asks for the
+    optimum and gets a PlanError naming what it saw, with the model untouched."""
+    model = NormedQKV()
+    plan = plan_for(model, mesh=mesh)
+    assert "scaled_dot_product_attention" in plan.whole_attention[0] and "layer_norm" in plan.whole_attention[0]
+    assert "layer_norm" in plan.replicated["qkv.weight"]
     snap = snapshot(model)
     with pytest.raises(PlanError) as info:
-        xla_tp.parallelize_xla(model, "auto", mesh=mesh)
-    assert "attention" in str(info.value) and "self_attention" in str(info.value)
-    assert "merges the sharded dimension" in str(info.value) and "plan dict" in str(info.value)
+        xla_tp.parallelize_xla(model, "auto", mesh=mesh, strict=True)
+    assert "strict=True" in str(info.value) and "attention computed whole" in str(info.value)
     assert_unchanged(model, snap)
 
 
-def test_heads_that_do_not_divide_the_axis_are_refused(mesh):
+def test_heads_the_axis_does_not_divide_take_the_cheapest_alternative(mesh):
+    """6 heads on 4 devices: 2 zero heads added (a device holds 2 of 8 heads, against 3 of 6 for a split over 2
+    devices), priced against the other valid splits; strict=True (only the optimum) refuses, naming the heads."""
     cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=6,
                                    vocab_size=128)
-    with pytest.raises(PlanError, match="6 heads"):
-        plan_for(transformers.AutoModelForCausalLM.from_config(cfg), mesh=mesh)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    plan = plan_for(model, mesh=mesh)
+    choice = plan.choices[0]
+    names = [a.name for a in choice.alternatives]
+    assert choice.chosen.name == "split over 4 devices, 6 heads padded to 8 with zero heads" and "6 heads" in choice.why
+    assert "split over 2 of 4 devices (sub-axis)" in names and "computed whole on every device" in names
+    assert any(n.startswith("uneven split over 4") for n in names)
+    assert [a.price.cost for a in choice.alternatives] == sorted(a.price.cost for a in choice.alternatives)
+    assert plan.packings["model.layers.0.self_attn.q_proj.weight"].padded == (64,)  # 8 heads of 8
+    assert plan.packings["model.layers.0.self_attn.o_proj.weight"].dim == 1  # its inputs, zero columns
+    with pytest.raises(PlanError, match="6 heads.*strict=True|strict=True.*6 heads"):
+        plan_for(model, mesh=mesh, strict=True)
+
+
+def test_plans_do_not_change_while_another_model_is_parallelized(mesh):
+    """A parallelized model installs the compat effects (``F.linear``, ``torch.addmm`` replaced); planning
+    another model meanwhile must see through them: GPT-2's packed ``c_attn`` (``addmm``) still gets its zero
+    heads (6 heads on 4 devices), the same plan as with no parallelized model alive."""
+    cfg = transformers.GPT2Config(n_embd=48, n_layer=1, n_head=6, vocab_size=128, n_positions=32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    alone = plan_for(model, mesh=mesh)
+    other = xla_tp.parallelize_xla(build("mlp"), "auto", mesh=mesh)
+    assert "addmm" in compat.installed() and "linear" in compat.installed()
+    meanwhile = plan_for(model, mesh=mesh)
+    assert meanwhile.choices[0].chosen.name == alone.choices[0].chosen.name, meanwhile.choices[0].invalid
+    assert "zero heads" in meanwhile.choices[0].chosen.name
+    xla_tp.unparallelize(other)
 
 
 def test_linear_stacks_pair_along_their_dataflow_and_pad_uneven_widths(mesh):

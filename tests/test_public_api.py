@@ -9,9 +9,10 @@ def test_design_names_exist():
     for name in ("make_mesh", "parallelize_xla", "parallelize_module", "plan_for", "audit", "AuditReport",
                  "PlanError", "MeshError", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
                  "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_jax",
-                 "unparallelize", "layout_of"):
+                 "unparallelize", "layout_of", "generate", "GenerationError"):
         assert hasattr(xla_tp, name), name
     assert issubclass(xla_tp.PlanError, ValueError) and issubclass(xla_tp.MeshError, ValueError)
+    assert issubclass(xla_tp.GenerationError, ValueError)
 
 
 def test_auto_end_to_end_through_the_top_level_names():

@@ -17,7 +17,8 @@ from .auditing import AuditReport
 from .auditing.run import audit
 from .backends.jax import parallelize_jax
 from .checkpoint import export_hf, load_checkpoint, save_checkpoint
-from .errors import CheckpointError, MeshError, OptimizerError, PlanError
+from .errors import CheckpointError, GenerationError, MeshError, OptimizerError, PlanError
+from .generation import generate
 from .loss import loss_parallel
 from .lowering.routed import moe_report, set_moe_options
 from .mesh import init_device_mesh, make_mesh
@@ -38,3 +39,4 @@ __all__ = [
 ]
 __all__ += ["moe_report", "register_style", "set_moe_options"]  # mixture-of-experts layers, other libraries' styles
 __all__ += ["CheckpointError", "OptimizerError", "export_hf", "load_checkpoint", "save_checkpoint"]  # training at scale
+__all__ += ["GenerationError", "generate"]  # generation

@@ -23,9 +23,12 @@ from .backends import get_backend
 from .backends.annotate import XlaSharder
 from .backends.place import place_module
 from .constraints import install_constraints
+from .dataflow.inputs import MadeUpInputError
+from .deferred import cancel as cancel_first_call, plan_at_first_call
 from .errors import PlanError
 from .guard import record_of
 from .lowering import packed
+from .lowering.padding import padding_problem
 from .axes import canonical_axis, mesh_axes, sizes_of
 from .mesh import MeshLike, XlaDeviceMesh, to_xs_mesh
 from .plan.hf import expert_packings, hf_plan
@@ -33,6 +36,7 @@ from .plan.layout import Layout, Spec
 from .plan.normalize import build_layout
 from . import planners
 from .planners import Plan
+from .planners.alternatives import Pick
 from .state import (ModelState, all_states, clear_param_state, drop, outermost, register, stale_params, state_of,
                     states_under)
 from .validate import validate
@@ -42,13 +46,16 @@ PlanLike = Union[str, dict, ParallelStyle]
 
 def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike = None, *,
                     tp_axis: str = "model", backend: str = "mark_sharding",
-                    strict: bool = True) -> nn.Module:
+                    strict: Optional[bool] = None) -> nn.Module:
     """Shard ``module`` in place on the XLA device following ``plan``; return it.
 
     ``plan`` is a dict FQN pattern -> style (torch ``ParallelStyle``, HF style string such as
     ``"colwise"``, ``ShardParams``, rule-list entries), one style for the root, ``"auto"`` (the
     rule-based planner) or ``"hf"`` (the Hugging Face model's own ``tp_plan``). ``mesh`` is an
-    ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global mesh of ``make_mesh``). Example::
+    ``xs.Mesh``, a ``DeviceMesh("xla", ...)`` or None (the global mesh of ``make_mesh``). ``strict``: for a
+    plan dict, keys that match nothing are errors (default True; False: warnings); for ``"auto"``, only
+    the optimum is accepted (default False: where the optimum is out of reach, the cheapest valid plan,
+    see ``plan_for``). A model "auto" cannot make an input up for is planned at its first call. Example::
 
         model = parallelize_xla(model, {"layers.*.wq": ColwiseParallel(),
                                         "layers.*.wo": RowwiseParallel()}, mesh=make_mesh(model=4))
@@ -59,8 +66,15 @@ def parallelize_xla(module: nn.Module, plan: PlanLike = "auto", mesh: MeshLike =
     xmesh = to_xs_mesh(mesh)
     axes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
     tp_axis = canonical_axis(tp_axis)
-    plan = resolve_plan(module, plan, xmesh, tp_axis)
-    layout = layout_for(module, plan, axes, tp_axis, strict, check_spec)
+    try:
+        plan = resolve_plan(module, plan, xmesh, tp_axis, strict=bool(strict))
+    except MadeUpInputError as e:  # "auto" on a model that declares no input: planned at its first call
+        def at_first_call(args: tuple, kwargs: dict) -> None:
+            auto = planners.plan_for(module, xmesh, tp_axis, example_inputs=args, example_kwargs=kwargs,
+                                     strict=bool(strict), check=padding_problem)
+            parallelize_xla(module, auto, xmesh, tp_axis=tp_axis, backend=backend, strict=strict)
+        return plan_at_first_call(module, at_first_call, str(e))
+    layout = layout_for(module, plan, axes, tp_axis, strict is not False, check_spec)
     # validated: from here on the model changes, and every change is kept in its state
     stale = stale_params(module, layout)
     state = begin(module, plan, layout, xmesh, axes[tp_axis])
@@ -98,16 +112,18 @@ def install_lowering(module: nn.Module, state: ModelState, plan: Plan, embedding
 
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
-             example_kwargs: Optional[Mapping[str, Any]] = None, experts: Optional[str] = None) -> Plan:
+             example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
+             pick: Optional[Pick] = None, experts: Optional[str] = None) -> Plan:
     """The plan ``parallelize_xla(model, "auto")`` would apply (``xla_tp.planners.plan_for``; ``experts=`` picks
     the layout of MoE layers); ``mesh``
     may also be None here: the global mesh of ``make_mesh``, else a 1-D ``model`` mesh over all devices.
     Example: ``xla_tp.plan_for(model, mesh={"data": 2, "model": 4})["lm_head"].role``."""
     return planners.plan_for(model, to_xs_mesh(None) if mesh is None else mesh, tp_axis,
-                             example_inputs=example_inputs, example_kwargs=example_kwargs, experts=experts)
+                             example_inputs=example_inputs, example_kwargs=example_kwargs, strict=strict, pick=pick,
+                             check=padding_problem, experts=experts)
 
 
-def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str) -> Plan:
+def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, strict: bool = False) -> Plan:
     """The ``Plan`` for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for``.
 
     ``mesh`` is anything ``plan_for`` takes (an ``xs.Mesh``, axis sizes). Example:
@@ -121,7 +137,7 @@ def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str) -> 
         if plan != "auto":
             raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
-        return planners.plan_for(module, mesh=mesh, tp_axis=tp_axis)
+        return planners.plan_for(module, mesh=mesh, tp_axis=tp_axis, strict=strict, check=padding_problem)
     if isinstance(plan, ParallelStyle):
         return Plan.of({"": plan})
     if not isinstance(plan, dict):
@@ -175,6 +191,7 @@ def unparallelize(model: nn.Module, *, keep_sharding: bool = False) -> nn.Module
         model = xla_tp.unparallelize(xla_tp.parallelize_xla(model, "auto", mesh=mesh))
     """
     inside = {id(m) for m in model.modules()}
+    cancel_first_call(model)  # "auto" waiting for the first call to plan: nothing else was done
     for _, mod, _ in list(states_under(model)):
         _forget(mod)
     for root, state in all_states():  # a call on a model around this one: what it did inside goes

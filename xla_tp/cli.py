@@ -1,8 +1,10 @@
-"""``xla-tp``: audit a model's compiled program, print the plan "auto" would use, or launch a recipe.
+"""``xla-tp``: audit a model's compiled program, print the plan "auto" would use, launch a recipe, or
+generate text with a recipe's model.
 
     xla-tp audit llama --mesh data=2,model=4 [--backward] [--json]
     xla-tp plan llama --mesh model=4
     xla-tp launch [RECIPE] [--topology NAME] [--dry-run] [--print-commands] [key=value ...]
+    xla-tp generate [RECIPE] --prompt TEXT [--checkpoint DIR] [--max-new-tokens N] [key=value ...]
 
 A model is a name from ``xla_tp.zoo.registry`` (built with ``registry.build``, run on
 ``registry.example_input``) or a path to an HF ``config.json``; the plan is ``plan_for``'s. The CLI is
@@ -119,7 +121,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     import torch_xla
     import xla_tp
     from .auditing import audit
-    from .planners import plan_for
+    from .api import plan_for
     from .zoo.registry import positional_args
     mesh, model, batch = _mesh_and_model(args)
     model = xla_tp.parallelize_xla(model, plan_for(model, mesh=mesh), mesh=mesh)
@@ -130,7 +132,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .planners import plan_for
+    from .api import plan_for
     mesh, model, _ = _mesh_and_model(args)
     print(plan_for(model, mesh=mesh).explain(model, mesh))
     return 0
@@ -150,8 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
     audit_p = sub.choices["audit"]
     audit_p.add_argument("--backward", action="store_true", help="audit forward + backward")
     audit_p.add_argument("--json", action="store_true", help="print the report as JSON")
+    from .generation.command import add_parser as add_generate
     from .launch.main import add_parser
     add_parser(sub)
+    add_generate(sub)
     return parser
 
 
@@ -159,7 +163,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     """Entry point of ``xla-tp``. Example: ``main(["audit", "llama", "--mesh", "model=8"])``."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
-    if args.command == "launch":   # key=value overrides may sit anywhere; launch prepares its own environment
+    if args.command in ("launch", "generate"):   # key=value overrides may sit anywhere; they prepare their own environment
         args.overrides = extra
         return args.func(args)
     if extra:

@@ -149,6 +149,11 @@ EFFECTS: tuple[Effect, ...] = (
            "runs in static slots split as its weights are",
            replace("transformers.integrations.moe.ExpertsInterface.get_interface",
                    "xla_tp.lowering.routed:experts_interface")),
+    Effect("hf_mask_skip", "transformers.masking_utils._ignore_causal_mask_sdpa", "transformers 5.23.0 / torch_xla 2.9.0",
+           "it reads the padding mask and the cache's offset on the host to decide whether SDPA may drop the mask; "
+           "on XLA each read executes the pending graph, so one forward (a generation step) compiles as three "
+           "programs: for XLA tensors the mask is kept, unread", replace("transformers.masking_utils._ignore_causal_mask_sdpa",
+                                                                        f"{_ENTRY}:keep_causal_mask")),
     Effect("save_pretrained", "transformers.PreTrainedModel.save_pretrained", "transformers 5.23.0 / torch_xla 2.9.0",
            "safetensors reads an XLA tensor's storage pointer and fails; a parallelized model is saved from "
            "host copies", replace("transformers.PreTrainedModel.save_pretrained",

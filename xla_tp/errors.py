@@ -34,3 +34,9 @@ class CheckpointError(ValueError):
         except CheckpointError as e:
             print(e)   # ... __0_0.distcp is 1,024 bytes, 2,048 when saved (truncated); nothing was loaded ...
     """
+
+
+class GenerationError(ValueError):
+    """A ``generate`` call that cannot run: a model that is not a causal LM (or not parallelized), a
+    prompt longer than the model's positions, ``max_new_tokens < 1``, a sampling setting out of range.
+    Raised before anything is allocated or compiled; the message names the input and what to pass."""

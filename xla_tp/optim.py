@@ -25,9 +25,8 @@ import weakref
 from typing import Callable
 
 import torch
-import torch_xla.core.xla_builder as xb
-import torch_xla.core.xla_op_registry as xor
 
+from .bitcast import f32_as_i32, i32_as_f32
 from .errors import OptimizerError
 from .state import param_state
 
@@ -60,18 +59,14 @@ def after_step(optimizer: torch.optim.Optimizer) -> None:
         stance.__exit__(None, None, None)
 
 
-_F32_AS_I32 = xor.register("xla_tp_f32_as_i32", lambda x: x.bitcast(xb.Type.S32))
-_I32_AS_F32 = xor.register("xla_tp_i32_as_f32", lambda x: x.bitcast(xb.Type.F32))
-
-
 def stochastic_round_to_bf16(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> bf16, rounding away from zero with probability (dropped low 16 bits) / 2**16, traced
     lazily on XLA. Example: ``stochastic_round_to_bf16(torch.full((4,), 1.00001, device=xla))``."""
-    bits = _F32_AS_I32(x.float())
+    bits = f32_as_i32(x.float())
     dropped = bits & 0xFFFF
     toward_zero = bits & -0x10000
     noise = torch.randint(0, 1 << 16, x.shape, device=x.device, dtype=torch.int32)
-    return _I32_AS_F32(torch.where(noise < dropped, toward_zero + 0x10000, toward_zero)).bfloat16()
+    return i32_as_f32(torch.where(noise < dropped, toward_zero + 0x10000, toward_zero)).bfloat16()
 
 
 def lazy_rounding(original: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:

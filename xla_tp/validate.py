@@ -17,6 +17,7 @@ from torch import nn
 
 from .errors import PlanError
 from .plan.layout import Layout, ModuleLayout, Spec, spec_axes
+from .plan.subaxis import axis_size, split_sub_axis
 
 
 def validate(module: nn.Module, layout: Layout, mesh_axes: Mapping[str, int],
@@ -50,10 +51,11 @@ def validate(module: nn.Module, layout: Layout, mesh_axes: Mapping[str, int],
 def _spec_problem(spec: Spec, mesh_axes: Mapping[str, int]) -> Optional[str]:
     """What is wrong with ``spec`` on this mesh (unknown or repeated axes), rank aside."""
     used = [a for axes in spec for a in spec_axes(axes)]
-    unknown = [a for a in used if a not in mesh_axes]
+    unknown = [a for a in used if axis_size(mesh_axes, a) is None]
     if unknown:
         return f"spec {spec} uses axis {unknown[0]!r}, which the mesh lacks (axes: {list(mesh_axes)})"
-    repeated = sorted({a for a in used if used.count(a) > 1})
+    bases = [split_sub_axis(a)[0] for a in used]
+    repeated = sorted({a for a in bases if bases.count(a) > 1})
     if repeated:
         return f"spec {spec} uses axis {repeated[0]!r} on more than one dimension; use it once"
     return None
@@ -67,7 +69,7 @@ def uneven_dims(shape: Sequence[int], spec: Spec, mesh_axes: Mapping[str, int]) 
     """
     out = []
     for dim, axes in enumerate(spec):
-        ways = math.prod(mesh_axes.get(a, 1) for a in spec_axes(axes))
+        ways = math.prod(axis_size(mesh_axes, a, 1) for a in spec_axes(axes))
         if shape[dim] % ways:
             out.append((dim, int(shape[dim]), ways))
     return out

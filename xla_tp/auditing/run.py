@@ -32,6 +32,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..axes import batch_axes, batch_ways
 from ..lowering import scope
+from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
 from ..plan.layout import Layout
 from ..state import constraint_handles, layout_of
@@ -175,12 +176,14 @@ def _outputs(target: Target, args: tuple, backward: bool,
 
 
 def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
-    """Dot FLOPs of the same computation with no sharding anywhere (fresh unannotated inputs).
+    """Dot FLOPs of the same computation with no sharding anywhere (fresh unannotated inputs), on the
+    model's original shapes (zero heads the plan added count as work).
 
     xla_tp's constraint hooks are suspended while it traces; values do not matter for FLOPs.
     """
     device = next((p.device for p in module.parameters()), torch.device("xla"))
-    params = {n: torch.randn(p.shape, dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+    # the model as written: a weight padded with zero heads (or grown by copies) takes its original shape
+    params = {n: torch.randn(original_shape(p), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
               if p.is_floating_point() else p.detach().cpu().to(device)
               for n, p in module.named_parameters()}
     plain = tuple(a.detach().cpu().to(device).requires_grad_(a.requires_grad)

@@ -24,6 +24,7 @@ from ..guard import forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
 from . import ShardFn
 from .init import initialise
+from .submesh import resolve
 
 
 def place_module(module: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shard: ShardFn,
@@ -72,6 +73,7 @@ def _place_param(p: nn.Parameter, fqn: str, spec, mesh, shard: ShardFn, device, 
     if spec is not None:
         if _is_sharded(t):
             t = xs.clear_sharding(t)
+        mesh, spec = resolve(mesh, spec)  # a sub-axis: the same devices, the axis split in two
         t = shard(t, mesh, spec)
     elif stale and forget_sharding(t) and _is_sharded(t):
         t = xs.clear_sharding(t)

@@ -1,0 +1,2 @@
+"""One forward traced on fake tensors (``trace``), and how split features flow through it (``ops``, ``regions``)."""
+from . import indexing, vocab  # noqa: F401  (register slicing and the vocabulary-parallel loss with ops.step)

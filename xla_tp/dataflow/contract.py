@@ -1,7 +1,7 @@
 """Contractions as einsum specs: which operand dims are batch, kept, or summed away.
 
-``linear``, ``addmm``, ``mm``, ``bmm``, ``baddbmm``, ``matmul``, ``einsum`` and
-``scaled_dot_product_attention`` calls are described the same way: a label per dimension of each
+``linear``, ``addmm``, ``mm``, ``bmm``, ``baddbmm``, ``matmul``, ``einsum``,
+``scaled_dot_product_attention`` and convolution calls are described the same way: a label per dimension of each
 operand, the labels of the output, and extra operands added element-wise (a bias, an attention
 mask) with their labels. Example:
 
@@ -20,7 +20,7 @@ from typing import Optional
 from .graph import Node, Value
 
 CONTRACTIONS = ("linear", "addmm", "mm", "bmm", "baddbmm", "matmul", "rmatmul", "einsum",
-                "scaled_dot_product_attention")
+                "scaled_dot_product_attention", "conv1d", "conv2d", "conv3d")
 
 
 @dataclass
@@ -69,6 +69,8 @@ def contraction(node: Node) -> Optional[Contraction]:
         return _matmul(a, b) if isinstance(a, Value) and isinstance(b, Value) else None
     if op == "einsum":
         return _einsum(node)
+    if op in ("conv1d", "conv2d", "conv3d"):
+        return _conv(node)
     if op == "scaled_dot_product_attention":
         q, k, v, mask = (node.arg(i, n) for i, n in enumerate(("query", "key", "value", "attn_mask")))
         batch = _letters(len(q.shape) - 2, "lesf")
@@ -78,6 +80,20 @@ def contraction(node: Node) -> Optional[Contraction]:
             spec.extras.append((mask, _right(batch + "ls", len(mask.shape))))
         return spec
     return None
+
+
+def _conv(node: Node) -> Optional[Contraction]:
+    """A batched convolution over its channels: input channels ``c`` contracted with the weight's, output
+    channels ``o`` kept; the windows (``xyz`` in, ``ijk`` in the kernel, ``XYZ`` out) are no einsum
+    labels, so a split that reaches them stops. Grouped convolutions are not read."""
+    x, w, b = node.arg(0, "input"), node.arg(1, "weight"), node.arg(2, "bias")
+    if not isinstance(x, Value) or not isinstance(w, Value) or node.arg(6, "groups", 1) != 1:
+        return None
+    n = len(w.shape) - 2
+    if len(x.shape) != n + 2:
+        return None
+    extras = [(b, "o")] if isinstance(b, Value) else []
+    return Contraction([(x, "bc" + "xyz"[:n]), (w, "oc" + "ijk"[:n])], "bo" + "XYZ"[:n], extras)
 
 
 def _matmul(a: Value, b: Value) -> Contraction:

@@ -16,9 +16,9 @@ Example (a projection's 64 features, viewed as 8 heads of 8):
 >>> out = step(view, 0, Features.whole(2, 64)).outputs[0][1]
 >>> out.lead.dim, out.lead.size
 (2, 8)
->>> softmax = trace(torch.nn.Softmax(-1), (torch.zeros(2, 5, 64),)).nodes[0]
->>> step(softmax, 0, Features.whole(2, 64)).stop
-'softmax runs along the sharded dimension'
+>>> norm = trace(torch.nn.LayerNorm(64), (torch.zeros(2, 5, 64),)).nodes[0]
+>>> step(norm, 0, Features.whole(2, 64)).stop
+'layer_norm normalises over the sharded dimension'
 """
 from __future__ import annotations
 
@@ -46,8 +46,6 @@ VIEWS = frozenset({"view", "reshape", "flatten", "unflatten", "unsqueeze", "sque
 EXPANDS = frozenset({"expand", "expand_as", "broadcast_to"})
 PERMUTES = frozenset({"transpose", "swapaxes", "swapdims", "permute", "movedim", "moveaxis", "t", "T", "mT",
                       "adjoint"})
-SLICES = frozenset({"split", "split_with_sizes", "chunk", "tensor_split", "unsafe_split", "narrow", "unbind",
-                    "select"})
 REDUCTIONS = frozenset({"sum", "mean", "amax", "amin", "max", "min", "var", "std", "norm", "logsumexp", "prod",
                         "any", "all", "argmax", "argmin", "nansum", "nanmean", "count_nonzero", "var_mean",
                         "std_mean", "linalg_vector_norm"})
@@ -64,6 +62,7 @@ class Step:
     outputs: list[tuple[int, Features]] = field(default_factory=list)
     stop: Stop = ""
     row: Optional[tuple[Value, int]] = None  # (the parameter contracted against, its sharded dim)
+    ends: str = ""  # the features are reduced away here, split (a vocabulary-parallel loss: ``vocab``)
 
 
 def stop(why: str) -> Step:
@@ -161,114 +160,8 @@ def _permute(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     return _one(node, feats.moved(new))
 
 
-def _getitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
-    if pos != 0:
-        return "indexes with a sharded tensor"
-    index = node.arg(1, "idx")
-    index = index if isinstance(index, tuple) else (index,)
-    if any(isinstance(i, Value) for i in index):
-        return "indexes a sharded tensor with a tensor"
-    shape = node.tensors[0].shape
-    n_real = sum(1 for i in index if i is not None and i is not Ellipsis)
-    expanded: list[Any] = []
-    for i in index:
-        if i is Ellipsis:
-            expanded += [slice(None)] * (len(shape) - n_real)
-        else:
-            expanded.append(i)
-    expanded += [slice(None)] * (len(shape) - sum(1 for i in expanded if i is not None))
-    cur, dim_in, out_dim = feats, 0, 0
-    mapping: dict[int, Optional[int]] = {}
-    for i in expanded:
-        if i is None:
-            out_dim += 1
-            continue
-        size = shape[dim_in]
-        if isinstance(i, int):
-            j = i % size
-            cur = cur.sliced(dim_in, j, j + 1, keep_dim=True)
-            mapping[dim_in] = None
-        else:
-            picked = _picked(i, size)
-            if picked is None:
-                return "indexes the sharded dimension with a list"
-            start, stop_, contiguous = picked
-            if not contiguous and cur.factor_at(dim_in) is cur.lead:
-                return "takes a strided or listed part of the sharded dimension"
-            cur = cur.sliced(dim_in, start, stop_, keep_dim=True)
-            mapping[dim_in] = out_dim
-            out_dim += 1
-        if isinstance(cur, str):
-            return cur
-        dim_in += 1
-    keep = {f.dim for f in cur.factors if mapping.get(f.dim) is not None}
-    moved = _drop_unit_factors(cur, keep).moved(mapping)
-    return _one(node, moved)
-
-
-def _picked(index: Any, size: int) -> Optional[tuple[int, int, bool]]:
-    """(start, stop, contiguous) of what a slice or list index takes from a dim of ``size``; a strided
-    slice or a non-contiguous list is reported with its extent (start, start + count) and False."""
-    if isinstance(index, slice):
-        start, stop, stride = index.indices(size)
-        count = len(range(start, stop, stride))
-        return start, start + count, stride == 1 or count <= 1
-    if isinstance(index, list) and all(isinstance(j, int) for j in index) and index:
-        picks = [j % size for j in index]
-        contiguous = picks == list(range(picks[0], picks[0] + len(picks)))
-        return picks[0], picks[0] + len(picks), contiguous
-    return None
-
-
 def _drop_unit_factors(feats: Features, keep: set[int]) -> Features:
     return replace(feats, factors=tuple(f for f in feats.factors if f.dim in keep or f.size > 1))
-
-
-def _slices(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
-    if pos != 0:
-        return Step()
-    rank = _rank(node.tensors[0])
-    op = node.op
-    dim_arg = {"split": (2, "dim"), "split_with_sizes": (2, "dim"), "unsafe_split": (2, "dim"),
-               "chunk": (2, "dim"), "tensor_split": (2, "dim"), "narrow": (1, "dim"),
-               "unbind": (1, "dim"), "select": (1, "dim")}[op]
-    dim = _norm_dim(node.arg(*dim_arg, default=0), rank)
-    outs = []
-    if op in ("unbind", "select"):
-        starts = [node.arg(2, "index")] if op == "select" else list(range(len(node.outputs)))
-        for i, s in enumerate(starts):
-            s = int(s) % node.tensors[0].shape[dim]
-            f = feats.sliced(dim, s, s + 1, keep_dim=False)
-            if isinstance(f, str):
-                return f
-            outs.append((i, f))
-        return Step(outs)
-    start = int(node.arg(2, "start")) % node.tensors[0].shape[dim] if op == "narrow" else 0
-    for i, out in enumerate(node.outputs):
-        length = out.shape[dim]
-        f = feats.sliced(dim, start, start + length)
-        if isinstance(f, str):
-            return f
-        outs.append((i, f))
-        start += length
-    return Step(outs)
-
-
-def _cat(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
-    items = node.arg(0, "tensors")
-    if not isinstance(items, (list, tuple)):
-        return "concatenates an unknown sequence"
-    out = node.outputs[0]
-    rank = _rank(out)
-    dim = _norm_dim(node.arg(1, "dim", 0), rank)
-    if node.op == "stack":
-        return _one(node, feats.moved({d: d + (d >= dim) for d in range(rank - 1)}))
-    if dim == feats.lead.dim:
-        return "concatenates along the sharded dimension"
-    f = feats.factor_at(dim)
-    if f is not None:  # a minor feature dim (rotary halves): the factor grows, the sharding is untouched
-        feats = replace(feats, factors=tuple(replace(g, size=out.shape[dim]) if g is f else g for g in feats.factors))
-    return _one(node, feats)
 
 
 def _reduce_dims(node: Node, rank: int) -> Optional[list[int]]:
@@ -282,6 +175,8 @@ def _reduce_dims(node: Node, rank: int) -> Optional[list[int]]:
 
 
 def _reduce(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
+    if node.op in ("max", "min") and isinstance(node.arg(1, "other"), Value):  # torch.max(a, b): element-wise
+        return _pointwise(node, pos, feats)
     if pos != 0:
         return Step()
     rank = _rank(node.tensors[0])
@@ -400,29 +295,19 @@ def _repeat(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
 
 
-def _pad(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
-    if pos != 0:
-        return Step()
-    pad = node.arg(1, "pad")
-    rank = _rank(node.tensors[0])
-    padded = [rank - 1 - i // 2 for i, p in enumerate(pad) if p]
-    if feats.lead.dim in padded:
-        return "pads the sharded dimension"
-    return _one(node, feats)
-
-
-def _setitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
-    return "writes a sharded tensor in place"
-
-
 _HANDLERS: dict[str, Callable[[Node, int, Features], Union[Step, Stop]]] = {
-    "getitem": _getitem, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat,
     "view_as_complex": _view_complex, "view_as_real": _view_complex, "layer_norm": _norm,
-    "rms_norm": _norm, "repeat_interleave": _repeat_interleave, "repeat": _repeat, "pad": _pad,
-    "setitem": _setitem,
-}
+    "rms_norm": _norm, "repeat_interleave": _repeat_interleave, "repeat": _repeat,
+}  # more are registered by ``indexing`` (slices, getitem, cat, gather) and ``vocab`` (a loss over split logits)
 _GROUPS = ((POINTWISE | FIRST_ONLY - VIEWS - EXPANDS, _pointwise), (VIEWS, _view), (EXPANDS, _expand),
-           (PERMUTES, _permute), (SLICES, _slices), (REDUCTIONS, _reduce), (ALONG_DIM, _along_dim),
+           (PERMUTES, _permute), (REDUCTIONS, _reduce), (ALONG_DIM, _along_dim),
            (frozenset(CONTRACTIONS), _contract))
 
-__all__ = ["Step", "step", "trace_param"]
+
+
+def register(handlers: dict[str, Callable[[Node, int, Features], Union[Step, Stop]]]) -> None:
+    """Add handlers for ops by name (``vocab`` registers the vocabulary-parallel loss this way)."""
+    _HANDLERS.update(handlers)
+
+
+__all__ = ["Step", "register", "step", "trace_param"]

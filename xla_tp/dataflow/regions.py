@@ -1,11 +1,13 @@
 """Projections and the regions their output features flow through.
 
 A projection is a contraction of one activation with one parameter (``nn.Linear``, HF ``Conv1D``,
-``x @ W``, an einsum with a weight). Its ``region`` is everything its output features reach when
+``x @ W``, an einsum with a weight, a convolution over its channels). Its ``region`` is everything its output features reach when
 they are split over devices: followed op by op (``ops.step``) until each path ends in another
 projection that contracts them (a ``row``: Megatron's row-parallel layer), dies, reaches the
 model's output, or meets an op that needs the whole feature dimension (a ``stop``). A projection
-whose region has no stop and ends in rows is column-parallel material. Example:
+whose region has no stop and ends in rows is column-parallel material. A block of a packed projection
+that meets a stop (the one key/value head of multi-query attention, whose head dimension attention
+contracts) is ``copied`` instead: every device computes all of it, the other blocks stay split. Example:
 
 >>> from torch import nn
 >>> from xla_tp.dataflow.trace import trace
@@ -29,6 +31,7 @@ from .ops import step, trace_param
 from .shapes import Factor, Features
 
 ATTENTION_OPS = ("scaled_dot_product_attention", "multi_head_attention_forward")
+PROJECTION_OPS = ("linear", "addmm", "mm", "matmul", "rmatmul", "einsum", "conv1d", "conv2d", "conv3d")
 
 
 @dataclass(eq=False)
@@ -55,7 +58,7 @@ def projections(graph: Graph) -> list[Projection]:
     """Every activation x parameter contraction, in call order."""
     found = []
     for node in graph.nodes:
-        spec = contraction(node) if node.op in ("linear", "addmm", "mm", "matmul", "rmatmul", "einsum") else None
+        spec = contraction(node) if node.op in PROJECTION_OPS else None
         if spec is None or len(spec.operands) != 2:
             continue
         acts = [(v, l) for v, l in spec.operands if v.dynamic]
@@ -91,6 +94,11 @@ class Region:
     granules: dict[int, Node] = field(default_factory=dict)  # sizes that must divide the axis (heads, blocks)
     windows: set[tuple[Fraction, Fraction]] = field(default_factory=set)  # blocks of a packed projection
     slicers: set[str] = field(default_factory=set)  # modules whose forward slices those blocks
+    merges: set[str] = field(default_factory=set)  # modules where the features are merged with the batch
+    ends: dict[int, str] = field(default_factory=dict)  # node index -> how a split loss reduces the features
+    row_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # row node -> block it reads
+    copied: dict[tuple[Fraction, Fraction], str] = field(default_factory=dict)  # blocks every device copies, why
+    granule_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # granule -> its block
 
     @property
     def ok(self) -> bool:
@@ -115,20 +123,29 @@ def explore(graph: Graph, proj: Projection) -> Region:
     whole = (proj.features.base, proj.features.span)
     while work:
         _, value = heapq.heappop(work)
-        feats = region.values[value.index]
-        if (feats.base, feats.span) != whole:
-            region.windows.add((feats.base, feats.span))
+        feats = region.values.get(value.index)
+        if feats is None:  # in a block copied since it was queued
+            continue
+        window = (feats.base, feats.span)
+        if window != whole:
+            region.windows.add(window)
         if value.index in outputs:
             region.reaches_output = True
         for node, pos in value.consumers:
             if is_attention(node):
                 region.attention.add(node.index)
             s = step(node, pos, feats)
+            if s.stop and window != whole and _copy(region, window, s.stop, node):
+                break  # a packed block that cannot stay split: every device gets a copy of it
             if s.stop:
                 region.stop, region.stop_node = s.stop, node
                 return region
             if s.row is not None:
                 region.rows[node.index] = (node, *s.row)
+                region.row_windows[node.index] = window
+                continue
+            if s.ends:
+                region.ends.setdefault(node.index, s.ends)
                 continue
             for i, f in s.outputs:
                 out = node.outputs[i]
@@ -139,11 +156,37 @@ def explore(graph: Graph, proj: Projection) -> Region:
                         region.slicers.add(node.module)
                     if f.hard:
                         region.granules.setdefault(f.lead.size, node)
+                        region.granule_windows.setdefault(f.lead.size, (f.base, f.span))
+                    if any(x.outer > 1 for x in f.factors):
+                        region.merges.add(node.module)
                     heapq.heappush(work, (out.index, out))
                 elif seen.lead.dim != f.lead.dim:
-                    region.stop, region.stop_node = "meets itself split along two different dimensions", node
+                    why = "meets itself split along two different dimensions"
+                    other = (seen.base, seen.span)  # the smaller block is copied (a key/value head, not the queries)
+                    if other != whole and other[1] < window[1] and _copy(region, other, why, node):
+                        region.values[out.index] = f
+                        heapq.heappush(work, (out.index, out))
+                        continue
+                    if window != whole and _copy(region, window, why, node):
+                        break
+                    region.stop, region.stop_node = why, node
                     return region
     return region
+
+
+def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Node) -> bool:
+    """Take the block ``window`` (and everything derived from it) out of the split, to be copied to every
+    device; False if it cannot be (a row projection already contracts part of it)."""
+    base, span = window
+    inside = lambda w: base <= w[0] and w[0] + w[1] <= base + span  # noqa: E731
+    if any(inside(w) for w in region.row_windows.values()):
+        return False
+    region.copied.setdefault(window, f"{why} ({describe(node)})")
+    for index in [i for i, f in region.values.items() if inside((f.base, f.span))]:
+        del region.values[index]
+    for size in [n for n, w in region.granule_windows.items() if inside(w)]:
+        del region.granules[size], region.granule_windows[size]
+    return True
 
 
 def describe(node: Optional[Node]) -> str:

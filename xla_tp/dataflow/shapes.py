@@ -10,8 +10,10 @@ of the leading factor and everything minor to it. Example:
 >>> heads = Features.whole(dim=2, size=512).reshaped((2, 8, 512), (2, 8, 8, 64))   # [B, S, H, D]
 >>> heads.lead.dim, heads.lead.size, heads.hard
 (2, 8, True)
->>> Features.whole(dim=1, size=8).reshaped((2, 8, 5), (16, 5))     # [B, H, S] -> [B*H, S]
-'reshape (2, 8, 5) -> (16, 5) merges the sharded dimension with another one (the compiler cannot keep it sharded)'
+>>> Features.whole(dim=1, size=8).reshaped((2, 8, 5), (16, 5)).lead     # [B, H, S] -> [B*H, S]: 2 blocks of 8
+Factor(dim=0, size=8, stride=Fraction(1, 1), outer=2)
+>>> Features.whole(dim=2, size=8).reshaped((2, 5, 8), (2, 40))            # heads merged with the sequence
+'reshape (2, 5, 8) -> (2, 40) merges the sharded dimension with another one (the compiler cannot keep it sharded)'
 """
 from __future__ import annotations
 
@@ -25,11 +27,15 @@ Stop = str  # why the features cannot stay sharded
 
 @dataclass(frozen=True)
 class Factor:
-    """One tensor dimension holding part of the features: ``index * stride`` feature units apart."""
+    """One tensor dimension holding part of the features: ``index * stride`` feature units apart.
+
+    ``outer``: a dimension that merges another one in front of the features (heads merged with the
+    batch before a ``bmm``, ``[B, H, S, D] -> [B*H, S, D]``) holds ``outer`` blocks of ``size``."""
 
     dim: int
     size: int
     stride: Fraction
+    outer: int = 1
 
 
 @dataclass(frozen=True)
@@ -77,8 +83,10 @@ class Features:
         minor factor (half of a head for rotary) keeps the sharding as it is.
         """
         f = self.factor_at(dim)
-        if f is None or (start == 0 and stop == f.size and keep_dim):
+        if f is None or (start == 0 and stop == f.size * f.outer and keep_dim):
             return self._drop_dim(dim) if not keep_dim else self
+        if f.outer > 1:
+            return "slices a dimension where the batch is merged with the sharded features"
         if f is not self.lead:
             factors = [replace(g, size=stop - start) if g is f else g for g in self.factors]
             if not keep_dim:
@@ -108,12 +116,17 @@ class Features:
                 return f"{what} cannot be followed dimension by dimension"
             stride = _merge(parts)
             if stride == "mixed":
-                if any(s is not None and s >= self.lead.stride for _, s in parts):
+                if not any(s is not None and s >= self.lead.stride for _, s in parts):
+                    continue  # a minor feature merged with a non-feature dim: the leading factor is intact
+                if dim != 0:  # only the batch, in front, may merge with the features (bmm's [B*H, S, D])
                     return f"{what} merges the sharded dimension with another one (the compiler cannot keep it sharded)"
-                continue  # a minor feature merged with a non-feature dim: the leading factor is intact
+                first = next(i for i, (_, s) in enumerate(parts) if s is not None)  # the batch merged in front
+                outer = math.prod(n for n, _ in parts[:first])
+                out.append(Factor(dim, size // outer, _merge(parts[first:]), outer))
+                continue
             if stride is not None:
                 out.append(Factor(dim, size, stride))
-        out.sort(key=lambda f: -f.stride)
+        out.sort(key=lambda f: -f.stride * f.size)  # major first (a repeated head: stride < 1, span whole)
         if not out or out[0].stride * out[0].size != self.span:
             return f"{what} merges the sharded dimension with another one (the compiler cannot keep it sharded)"
         return replace(self, factors=tuple(out), hard=self.hard or out[0].stride != 1)
@@ -133,7 +146,10 @@ def _atoms(shape: Sequence[int], feats: Features) -> list[tuple[int, Optional[Fr
         if size == 1:
             continue
         f = feats.factor_at(dim)
-        atoms.append((size, f.stride if f is not None else None))
+        if f is not None and f.outer > 1:
+            atoms += [(f.outer, None), (size // f.outer, f.stride)]
+        else:
+            atoms.append((size, f.stride if f is not None else None))
     return atoms
 
 

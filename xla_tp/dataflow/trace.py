@@ -4,9 +4,9 @@ Nothing real is computed or allocated: parameters, buffers and inputs are ``Fake
 and dtypes only) swapped in with ``torch.func.functional_call``, so a model on ``meta``, on the CPU
 or already on the XLA device traces the same way and is left exactly as it was. A
 ``TorchFunctionMode`` records every call with its module scope. transformers recognises fake
-tensors and skips its data-dependent checks. Without ``example_inputs`` an input is synthesised:
-token ids ``[2, 8]`` for a model whose first parametrised layer is an embedding, else floats
-``[2, 8, width]`` of its first layer's input width. Example:
+tensors and skips its data-dependent checks. Without ``example_inputs`` an input is synthesised from
+what the model declares (``inputs.synthesize``: a Hugging Face model's main input and config, else
+token ids, images or floats for its first layer). Example:
 
 >>> graph = trace(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)))
 >>> [(n.op, n.module) for n in graph.nodes]
@@ -17,8 +17,7 @@ token ids ``[2, 8]`` for a model whose first parametrised layer is an embedding,
 from __future__ import annotations
 
 import contextlib
-import inspect
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -29,9 +28,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import PlanError
 from .graph import Graph, Node, Value
+from .inputs import MadeUpInputError, synthesize
 from .routing import batched_experts
-
-BATCH, SEQ = 2, 8
 
 
 def op_name(func: Any) -> str:
@@ -108,55 +106,25 @@ def _shape_only(name: str) -> bool:
                                                "rand_like", "randn_like", "randint_like")
 
 
-def synthesize_inputs(model: nn.Module) -> tuple:
-    """The example input ``plan_for`` uses when none is given (see the module docstring).
-
-    >>> synthesize_inputs(nn.Linear(16, 4))[0].shape, synthesize_inputs(nn.Embedding(10, 4))[0].dtype
-    (torch.Size([2, 8, 16]), torch.int64)
-    """
-    for mod in model.modules():
-        if isinstance(mod, nn.Embedding):
-            return (torch.zeros(BATCH, SEQ, dtype=torch.long),)
-        width = _input_width(mod)
-        if width:
-            x = torch.zeros(BATCH, SEQ, width)
-            return (x, x, x) if isinstance(model, nn.MultiheadAttention) else (x,)
-    raise PlanError(f"{type(model).__name__} has no Embedding, Linear or attention layer to guess an input "
-                    f"from; pass example_inputs=(tensor, ...)")
-
-
-def _input_width(mod: nn.Module) -> int:
-    if isinstance(mod, nn.Linear):
-        return mod.in_features
-    if isinstance(mod, nn.MultiheadAttention):
-        return mod.embed_dim
-    w = getattr(mod, "weight", None)  # HF Conv1D: weight [in, out]
-    if isinstance(w, torch.Tensor) and w.dim() == 2 and getattr(mod, "nf", None) == w.shape[1]:
-        return int(w.shape[0])
-    return 0
-
-
-def default_kwargs(model: nn.Module) -> dict[str, Any]:
-    """``use_cache=False`` for models whose forward takes it (no KV cache in a planning trace)."""
-    try:
-        params = inspect.signature(type(model).forward).parameters
-    except (TypeError, ValueError):
-        return {}
-    takes = "use_cache" in params or hasattr(getattr(model, "config", None), "use_cache")
-    return {"use_cache": False} if takes else {}
-
-
 def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
-          example_kwargs: Optional[Mapping[str, Any]] = None) -> Graph:
-    """Record one forward of ``model`` on fake tensors; raise ``PlanError`` if it cannot run."""
-    if example_inputs is None:
-        example_inputs = synthesize_inputs(model)
-        example_kwargs = {**default_kwargs(model), **(example_kwargs or {})}
+          example_kwargs: Optional[Mapping[str, Any]] = None, *,
+          swap: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
+          modes: Sequence[TorchFunctionMode] = ()) -> Graph:
+    """Record one forward of ``model`` on fake tensors; raise ``PlanError`` if it cannot run.
+
+    ``swap(fqn, fake)`` may replace a parameter's fake tensor (another shape: a re-laid weight);
+    ``modes`` are entered around the forward, beneath the recorder (the lowering's own modes)."""
+    made_up = example_inputs is None
+    if made_up:
+        example_inputs, made = synthesize(model)
+        example_kwargs = {**made, **(example_kwargs or {})}
     graph, known, scope = Graph(), {}, [""]
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     fqns = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     with fake:
         state, names = _fake_state(model)
+        if swap is not None:
+            state = {n: (kind, swap(n, t) if kind == "param" else t) for n, (kind, t) in state.items()}
         inputs = tree_map(lambda a: _fake_like(a) if isinstance(a, torch.Tensor) else a,
                           (tuple(example_inputs), dict(example_kwargs or {})))
     for fqn_list, (kind, t) in zip(names, state.values()):
@@ -172,14 +140,17 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
     with _own_hooks_only(model):
         handles = _scope_hooks(model, fqns, scope)
         try:
-            with fake, recorder, batched_experts(model):
+            with fake, batched_experts(model), contextlib.ExitStack() as stack:
+                for mode in (*modes, recorder):
+                    stack.enter_context(mode)
                 out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
         except PlanError:
             raise
         except Exception as e:  # the model's own error, surfaced with what to do
-            raise PlanError(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
-                            f"layout: {type(e).__name__}: {e}. Pass example_inputs=(...) (and example_kwargs=) "
-                            f"that the model accepts, or pass a plan instead of 'auto'") from e
+            error = MadeUpInputError if made_up else PlanError
+            raise error(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
+                        f"layout: {type(e).__name__}: {e}. Pass example_inputs=(...) (and example_kwargs=) "
+                        f"that the model accepts, or pass a plan instead of 'auto'") from e
         finally:
             for h in handles:
                 h.remove()

@@ -5,6 +5,7 @@
 - ``tokens``: a 1-D ``.npy`` array of token ids (any tokenizer, run beforehand).
 - ``synthetic``: uniform random ids below the vocabulary size (throughput and fit runs).
 
+``ByteTokenizer`` turns text into those ids and back (``xla-tp generate`` uses it for a text recipe).
 Batch ``step`` depends only on the seed and the step, so a resumed run sees the data it would have
 seen, and every host of a multi-host slice builds the same global batch (each device then takes
 its shard). ``causal-lm`` targets are the next token; ``masked-lm`` hides 15% of the tokens behind
@@ -15,6 +16,8 @@ the id ``vocab - 1`` and scores only those. Example::
     inputs, targets = batches.get(step=0)     # two int64 [8, 64] tensors, targets shifted by one
 """
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 import torch
@@ -99,3 +102,20 @@ def _path(spec: DataSpec):
         raise LaunchError(f"data.path {spec.path!r}: no such file (relative paths are read from the current "
                           f"directory, then from the repository root)")
     return path
+
+
+class ByteTokenizer:
+    """The ``text`` data's tokenizer: a string's UTF-8 bytes are its ids, and back (a byte sequence that
+    is not UTF-8 decodes with replacement characters). Its ``decode`` takes transformers' keyword
+    arguments, so ``TextStreamer`` streams with it. Example:
+
+    >>> ByteTokenizer().encode("hé"), ByteTokenizer().decode([104, 195, 169])
+    ([104, 195, 169], 'hé')
+    """
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: Any, **unused: Any) -> str:
+        ids = ids.tolist() if isinstance(ids, torch.Tensor) else ids
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")

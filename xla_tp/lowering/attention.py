@@ -5,9 +5,10 @@ reshape that merges batch and heads, which hides a head sharding from GSPMD: it 
 q, k and v and runs attention replicated. ``torch.einsum`` keeps every batch dimension of the
 contraction (``dot_general`` batch dims), so the heads stay split. Numerics are those of the
 original ops: SDPA's scale, causal flag (top-left aligned), boolean (True = attend) or additive
-mask, ``enable_gqa``, dropout; softmax in float32. On TPU, ``use_flash_attention(True)`` routes
-SDPA calls the Pallas kernel can take to torch_xla's ``flash_attention`` with the partition spec
-of the mesh. Example:
+mask, ``enable_gqa``, dropout; softmax in float32; a query that the mask lets attend to no key (a
+left-padded position) gets zeros, as torch's SDPA gives it, not NaN. On TPU,
+``use_flash_attention(True)`` routes SDPA calls the Pallas kernel can take to torch_xla's
+``flash_attention`` with the partition spec of the mesh. Example:
 
 >>> q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
 >>> want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 
 from ..axes import mesh_axes, spec_entry
 from . import scope
+from .copies import as_kv_heads
 from .packed import packed_blocks
 
 _FLASH = {"enabled": False}
@@ -86,7 +88,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
 
 def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor],
                 dropout_p: float, is_causal: bool, scale: float, enable_gqa: bool = False) -> torch.Tensor:
-    """SDPA's math with both contractions as einsums (batch and head dims kept)."""
+    """SDPA's math with both contractions as einsums (batch and head dims kept). A key/value block every
+    device holds a copy of (``copies``) is one head per device, each device's query heads reading its own."""
+    heads = as_kv_heads(key)  # one key/value block copied per device: a key/value head each
+    if heads is not key:
+        key, value, enable_gqa = heads, as_kv_heads(value), True
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
     scores = torch.einsum("...qd,...kd->...qk", query, key)
@@ -97,6 +103,8 @@ def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
         scores = (scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool
                   else scores + attn_mask.float())
     probs = torch.softmax(scores, dim=-1)
+    if attn_mask is not None:  # torch's SDPA gives a row with no key to attend to zeros (a left-padded row), not NaN
+        probs = probs.masked_fill(torch.isneginf(scores).all(dim=-1, keepdim=True), 0.0)
     probs = probs if probs.dtype == value.dtype else probs.to(value.dtype)
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p)

@@ -15,7 +15,10 @@ cost of a Python call:
   with it): comparisons of static shape (``slots.histogram``);
 - ``getitem``: torch_xla 2.9 raises ``Value out of range`` for a slice bound past a dimension
   (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do), where the CPU
-  clamps: the replacement retries clamped.
+  clamps: the replacement retries clamped;
+- ``keep_causal_mask``: transformers decides whether SDPA may drop its mask by reading tensors on
+  the host (``padding_mask.all()``, ``q_offset == 0``); on XLA each read executes the pending graph,
+  so a forward compiles as several programs: for XLA tensors the answer is "keep the mask", unread.
 
 Rewriting the few functions that need it, rather than intercepting every op, keeps the host's trace
 cost of a step near that of the same model without xla_tp. Example::
@@ -32,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..state import param_state
-from . import attention, embedding as vocab, packed, scope, slots, tied
+from . import attention, copies, embedding as vocab, packed, scope, slots, tied
 from .mode import active
 
 
@@ -148,11 +151,13 @@ def embedding(original: Callable[..., Any]) -> Callable[..., Any]:
     return _lowered(original, vocab.lookup)
 
 
-def _projected(y: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _projected(y: torch.Tensor, weight: torch.Tensor, out_dim: int) -> torch.Tensor:
     """A projection's output; a re-laid packed one's tagged for the packed-output mode, or (outside
-    the modules that slice it, where nothing would read the tag) put back in the original order."""
+    the modules that slice it, where nothing would read the tag) put back in the original order. A
+    weight re-laid along the features it contracts (a row projection's zero inputs), or padded in one
+    block at its end, gives an output in its plain order: no tag."""
     packing = packed.packing_of(weight)
-    if packing is None:
+    if packing is None or not packing.relays_output(out_dim):
         return y
     if scope.in_site():
         return active().tag(y, packing)
@@ -171,7 +176,9 @@ def linear(original: Callable[..., Any]) -> Callable[..., Any]:
         out = ps.group.output(x, weight, bias) if ps.group is not None else None
         if out is None and ps.tie is not None:
             out = tied.head(x, weight, bias)
-        return _projected(original(x, weight, bias) if out is None else out, weight)
+        if out is None:  # copied blocks' copies get the sum of their gradients
+            out = original(x, copies.summed(weight, ps.packing), copies.summed(bias, packed.packing_of(bias)))
+        return _projected(out, weight, 0)
     return lowered_linear
 
 
@@ -179,10 +186,10 @@ def addmm(original: Callable[..., Any]) -> Callable[..., Any]:
     """``torch.addmm(bias, x, weight)`` (HF ``Conv1D``): packed outputs of parallelized parameters."""
     @functools.wraps(original)
     def lowered_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = original(input, mat1, mat2, *args, **kwargs)
         if param_state(mat2) is None or "out" in kwargs or not scope.lowering():
-            return out
-        return _projected(out, mat2)
+            return original(input, mat1, mat2, *args, **kwargs)
+        summed = copies.summed(input, packed.packing_of(input)), copies.summed(mat2, packed.packing_of(mat2))
+        return _projected(original(summed[0], mat1, summed[1], *args, **kwargs), mat2, 1)
     return lowered_addmm
 
 
@@ -200,3 +207,14 @@ def getitem(original: Callable[..., Any]) -> Callable[..., Any]:
                 raise
             return original(self, fixed)
     return lowered_getitem
+
+
+def keep_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' ``_ignore_causal_mask_sdpa``: False for XLA tensors (the mask is kept, as when
+    tracing), without reading them; the same result either way, the mask being causal."""
+    @functools.wraps(original)
+    def unread(padding_mask: Any, q_length: int, kv_length: int, q_offset: Any, *args: Any, **kwargs: Any) -> bool:
+        if scope.inside() and (_is_xla(padding_mask) or _is_xla(q_offset)):
+            return False
+        return original(padding_mask, q_length, kv_length, q_offset, *args, **kwargs)
+    return unread

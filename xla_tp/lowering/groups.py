@@ -68,9 +68,10 @@ class ColumnGroup:
 
     def output(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The output of the member whose weight (and bias) these are, for ``x``; None when no member
-        has them (a tensor swapped in for the call) or ``x`` is on no device the group computes on."""
-        if x.device.type not in ("xla", "jax"):
-            return None
+        has them (a tensor swapped in for the call), ``x`` is on no device the group computes on, or no
+        gradient will be taken on XLA (the grouping is for the backward; JAX differentiates the forward)."""
+        if x.device.type not in ("xla", "jax") or (x.device.type == "xla" and not torch.is_grad_enabled()):
+            return None  # without a backward (inference, generation) each member is its own F.linear
         mods = [m() for m in self.members]
         member = next((m for m in mods if m is not None and m.weight is weight and m.bias is bias), None)
         if member is None or any(m is None for m in mods):

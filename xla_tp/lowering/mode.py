@@ -1,7 +1,8 @@
 """The packed-output mode: re-laid packed projections read in place where the model slices them.
 
-A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output (their
-``scope`` sites). A projection whose weight was re-laid device-major (``packed``) has its output
+A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output, merge
+heads with the batch before a ``bmm`` (``bmm``: kept 4-D) or embed patches (``patchify``: an einsum),
+their ``scope`` sites; it also reads a copied block's copies (``copies``). A projection whose weight was re-laid device-major (``packed``) has its output
 tagged (by ``entry``'s ``linear``/``addmm``); the model's own ``split``/``chunk``/slicing of it then
 gets each block read in place
 (``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
@@ -19,14 +20,22 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import packed
+from . import bmm, copies, packed, patchify
 
 _state = threading.local()
 GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see entry's replacement of it instead
 
 
+def same_function(func: Callable, target: Callable) -> bool:
+    """``func`` is ``target``, one of them being the other wrapped by a compat effect (a mode sees the
+    original where the model called our replacement, and the replacement where it is a method).
+    ``same_function(torch.addmm, original_addmm)`` holds while the ``addmm`` effect is installed."""
+    return (func is target or getattr(func, "__wrapped__", None) is target
+            or getattr(target, "__wrapped__", None) is func)
+
+
 def _is_getitem(func: Callable) -> bool:
-    return func is GETITEM or getattr(func, "__wrapped__", None) is GETITEM
+    return same_function(func, GETITEM)
 
 
 class Lowering(TorchFunctionMode):
@@ -41,6 +50,11 @@ class Lowering(TorchFunctionMode):
         kwargs = kwargs or {}
         if self.tagged and any(packed.tag_of(a) is not None for a in args):
             return self._on_tagged(func, args, kwargs)
+        handler = _HANDLERS.get(GETITEM if _is_getitem(func) else func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         return func(*args, **kwargs)
 
     def tag(self, out: torch.Tensor, packing: packed.Packing) -> torch.Tensor:
@@ -52,7 +66,11 @@ class Lowering(TorchFunctionMode):
         packing = packed.tag_of(tensor)
         if _metadata(func):
             return func(*args, **kwargs)
-        ranges = _slice_ranges(func, args, kwargs, tensor)
+        if packing.padded and func in _RESHAPES:  # the model's own sizes name the original features
+            out = func(*_laid_shape(args, packing), **kwargs)
+            if out.shape[-1] == packing.laid_size:
+                return self.tag(out, packing)
+        ranges = _slice_ranges(func, args, kwargs, tensor, packing.size)
         if ranges is not None:
             got = packed.pieces(tensor, packing, ranges)
             if got is not None:
@@ -90,9 +108,17 @@ def _metadata(func: Callable) -> bool:
     return known
 
 
-def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor) -> Optional[list[tuple[int, int]]]:
-    """The feature ranges a slicing op takes from ``t``'s last dim, or None if it is not such an op."""
-    n, last = t.shape[-1], t.dim() - 1
+def _laid_shape(args: tuple, packing: packed.Packing) -> tuple:
+    """``view``/``reshape`` arguments with the original feature count (last) as the laid-out one."""
+    shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:]
+    shape = [*shape[:-1], packing.laid_size if shape and shape[-1] == packing.size else shape[-1]] if shape else []
+    return (args[0], tuple(shape))
+
+
+def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor, n: int) -> Optional[list[tuple[int, int]]]:
+    """The feature ranges a slicing op takes from ``t``'s last dim (``n`` original features), or None
+    if it is not such an op."""
+    last = t.dim() - 1
 
     def on_last(dim: Any) -> bool:
         return isinstance(dim, int) and dim % t.dim() == last
@@ -136,7 +162,28 @@ def _runs(sizes: list[int], n: int) -> list[tuple[int, int]]:
     return out
 
 
-_KEEPS_LAST = {torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
+def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
+    """One handler per function of ``tables``: where several handle it, the first that does not return
+    ``NotImplemented``."""
+    def first(handlers: list[Callable]) -> Callable:
+        def handler(*args: Any, **kwargs: Any) -> Any:
+            for h in handlers:
+                out = h(*args, **kwargs)
+                if out is not NotImplemented:
+                    return out
+            return NotImplemented
+        return handler
+
+    funcs: dict[Callable, list[Callable]] = {}
+    for table in tables:
+        for func, h in table.items():
+            funcs.setdefault(func, []).append(h)
+    return {func: first(handlers) for func, handlers in funcs.items()}
+
+
+_HANDLERS = _first(copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS)
+_RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
+_KEEPS_LAST = {torch.Tensor.unsqueeze, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
                torch.Tensor.detach}
 

@@ -29,15 +29,23 @@ from torch import nn
 
 from ..plan.packing import Packing
 from ..state import ensure_param_state, param_state
+from .copies import copied_block
 
 _TAG = "_xla_tp_packed_output"  # on a re-laid projection's output during a forward: its Packing
 
 
 def permute(t: torch.Tensor, packing: Packing) -> torch.Tensor:
-    return t.index_select(packing.dim, packing.order().to(t.device))
+    """``t`` (original layout along ``packing.dim``) re-laid: device-major, padding zeros included."""
+    order = packing.order()
+    if not packing.padded:  # every position holds an original feature (copied blocks repeat some)
+        return t.index_select(packing.dim, order.to(t.device))
+    zero = torch.zeros_like(t.narrow(packing.dim, 0, 1))
+    order = torch.where(order < 0, t.shape[packing.dim], order).to(t.device)
+    return torch.cat([t, zero], packing.dim).index_select(packing.dim, order)
 
 
 def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """A re-laid ``t`` back in the original layout (padding dropped)."""
     return t.index_select(packing.dim, packing.inverse().to(t.device))
 
 
@@ -79,9 +87,17 @@ def _load_relaid(name: str, packing: Packing) -> Any:
     optimizer state swapped in for the parameter: ``checkpoint.layout.swapped``)."""
     def hook(owner: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         key, p = prefix + name, owner._parameters.get(name)
-        if key in state_dict and p is not None and state_dict[key].shape == p.shape:
+        if key in state_dict and p is not None and original_shape(p) == state_dict[key].shape:
             state_dict[key] = permute(state_dict[key], packing)
     return hook
+
+
+def original_shape(p: torch.Tensor) -> torch.Size:
+    """The shape ``p`` has in the model as written (a padded or copied re-laid weight is larger)."""
+    packing = packing_of(p)
+    if packing is None:
+        return p.shape
+    return torch.Size(packing.size if d == packing.dim else n for d, n in enumerate(p.shape))
 
 
 def packing_of(t: Any) -> Optional[Packing]:
@@ -105,16 +121,20 @@ def tag_of(t: Any) -> Optional[Packing]:
 
 
 def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:
-    """Block ``index`` of a re-laid output ``y`` (features last): each device reads its own part."""
-    tp = packing.tp
-    offset = sum(n for _, n in packing.blocks[:index]) // tp
-    n = packing.blocks[index][1] // tp
-    return y.unflatten(-1, (tp, packing.size // tp))[..., offset:offset + n].flatten(-2)
+    """Block ``index`` of a re-laid output ``y`` (features last): each device reads its own part (a
+    padded block with its zero features). A copied block: ``[..., tp, size]``, device ``d`` reading copy ``d``."""
+    tp, sizes = packing.tp, packing.sizes
+    offset = sum(sizes[:index]) // tp
+    n = sizes[index] // tp
+    part = y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n]
+    return part if index in packing.whole else part.flatten(-2)
 
 
 def unpermute(y: torch.Tensor, packing: Packing) -> torch.Tensor:
-    """A re-laid output back in the original feature order (moves data: only for uses xla_tp cannot see)."""
-    return torch.cat([block(y, packing, i) for i in range(len(packing.blocks))], dim=-1)
+    """A re-laid output back in the original feature order, padding dropped (moves data: only for uses
+    xla_tp cannot see)."""
+    return torch.cat([block(y, packing, i).mean(-2) if i in packing.whole else block(y, packing, i)[..., :n]
+                      for i, (_, n) in enumerate(packing.blocks)], dim=-1)
 
 
 def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> Optional[list[torch.Tensor]]:
@@ -125,7 +145,13 @@ def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> 
     for start, stop in ranges:
         if start not in starts or stop not in ends:
             return None
-        parts = [block(y, packing, i) for i in range(starts[start], ends[stop] + 1)]
+        indices = range(starts[start], ends[stop] + 1)
+        if any(i in packing.whole for i in indices):  # a copied block comes alone, with its copies
+            if len(indices) > 1:
+                return None
+            out.append(copied_block(block(y, packing, indices[0])))
+            continue
+        parts = [block(y, packing, i) for i in indices]
         out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     return out
 

@@ -1,7 +1,8 @@
 """``explain(model, plan, mesh)``: what a plan does to every parameter, and why, as text.
 
 Parameters are grouped by pattern (layer indices as ``*``): the role and its reason (for a plan of
-"auto"; the plan key and style otherwise), then why the rest stays replicated, then per group the
+"auto"; the plan key and style otherwise), then why the rest stays replicated, the blocks "auto" could
+not split the optimal way with every alternative and its price (the chosen one marked ``*``), then per group the
 shape, spec, per-device shape and bytes, and the totals against the ideal ``total / model-axis
 size``, with the padding uneven dimensions cost. Nothing is mutated. Example::
 
@@ -18,6 +19,7 @@ from torch import nn
 from ..axes import canonical_axis, sizes_of
 from .layout import spec_axes
 from .normalize import build_layout
+from .subaxis import axis_size
 from .table import ParamRow, format_table, local_shape
 from .unplanned import unplanned_parameters
 
@@ -35,6 +37,24 @@ def _grouped(lines: dict[str, str]) -> list[str]:
         seen.setdefault((_pattern(name), _pattern(text)), None)
     width = max((len(n) for n, _ in seen), default=0)
     return [f"  {n:<{width}}  {t}" for n, t in seen]
+
+
+def _choices(plan: Mapping, tp: int) -> list[str]:
+    """The blocks "auto" could not split the optimal way: every alternative with its price, the
+    chosen one first (marked ``*``); attention computed whole. One entry per layer pattern."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for choice in getattr(plan, "choices", ()):
+        head = _pattern(f"  {choice.block}: {choice.why}")
+        if head in seen:
+            continue
+        seen.add(head)
+        lines += [head, *(f"    {'*' if i == choice.picked else ' '} {alt.name}: {alt.price.text(tp)}"
+                          for i, alt in enumerate(choice.alternatives)),
+                  *(f"      not valid: {_pattern(text)}" for text in choice.invalid)]
+    whole = list(dict.fromkeys(f"  {_pattern(line)}" for line in getattr(plan, "whole_attention", ())))
+    out = ["off the optimum (each block takes the cheapest valid split; prices per block):", *lines] if lines else []
+    return out + (["attention computed whole:", *whole] if whole else [])
 
 
 def explain(model: nn.Module, plan: Mapping, mesh: Any, tp_axis: str = "model") -> str:
@@ -60,7 +80,7 @@ def explain(model: nn.Module, plan: Mapping, mesh: Any, tp_axis: str = "model") 
         p, spec = members[0]
         loc = local_shape(tuple(p.shape), spec, axes)
         per_device = math.prod(loc) * p.element_size() * len(members)
-        ways = math.prod(axes[a] for entry in spec for a in spec_axes(entry))
+        ways = math.prod(axis_size(axes, a) for entry in spec for a in spec_axes(entry))
         padding += (math.prod(loc) * ways - p.numel()) * p.element_size() * len(members)
         label = f"{pattern} (x{len(members)})" if len(members) > 1 else pattern
         rows.append(ParamRow(label, tuple(p.shape), spec, loc, per_device))
@@ -72,6 +92,7 @@ def explain(model: nn.Module, plan: Mapping, mesh: Any, tp_axis: str = "model") 
              "split:" if split else "split: nothing", *_grouped(split),
              "replicated:" if replicated else "replicated: nothing",
              *_grouped({n: replicated.get(n, "") for n in names if n in replicated}),
+             *_choices(plan, axes.get(tp_axis, 1)),
              "parameters:", format_table(rows),
              f"per device: {per_device} bytes of {total} total (ideal total/{tp} = {total // tp}; ratio "
              f"{per_device / max(total / tp, 1):.2f}); padding of uneven dimensions: {padding} bytes over all devices"]

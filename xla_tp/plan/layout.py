@@ -24,6 +24,8 @@ from typing import Optional, Union
 
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from .subaxis import split_sub_axis
+
 Axis = Union[str, tuple[str, ...], None]
 Spec = tuple[Axis, ...]
 Chain = tuple[Union[Placement, Spec], ...]  # a Spec entry is an explicit per-dimension constraint
@@ -68,12 +70,12 @@ def spec_axes(axes: Axis) -> tuple[str, ...]:
 
 
 def uses_axis(spec: Spec, axis: str) -> bool:
-    """Whether any dimension of ``spec`` is split over ``axis``.
+    """Whether any dimension of ``spec`` is split over ``axis`` (or a sub-axis of it, ``plan.subaxis``).
 
-    >>> uses_axis((None, ("data", "model")), "model"), uses_axis(("data", None), "model")
-    (True, False)
+    >>> uses_axis((None, ("data", "model")), "model"), uses_axis(("data", None), "model"), uses_axis(("model@4",), "model")
+    (True, False, True)
     """
-    return any(axis in spec_axes(a) for a in spec)
+    return any(axis == split_sub_axis(a)[0] for entry in spec for a in spec_axes(entry))
 
 
 def chain(*placements: Optional[Placement]) -> Chain:

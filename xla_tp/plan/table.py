@@ -14,6 +14,7 @@ from typing import Any
 
 from ..axes import sizes_of
 from .layout import Spec, spec_axes
+from .subaxis import axis_size
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ def local_shape(shape: tuple[int, ...], spec: Spec, mesh: Any) -> tuple[int, ...
     sizes = sizes_of(mesh)
     out = []
     for n, axes in zip(shape, spec):
-        out.append(-(-n // math.prod(sizes[a] for a in spec_axes(axes))))
+        out.append(-(-n // math.prod(axis_size(sizes, a) for a in spec_axes(axes))))
     return tuple(out)
 
 

@@ -18,7 +18,8 @@ True
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+import warnings
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from torch import nn
 
@@ -26,9 +27,12 @@ from ..axes import canonical_axis, sizes_of
 from ..dataflow.routing import find_experts
 from ..dataflow.trace import trace
 from ..errors import PlanError
+from .alternatives import Pick
 from .plan import Plan, build_plan
 from .experts import assign as assign_experts
-from .roles import decide
+from .roles import Roles, decide
+
+PaddingCheck = Callable[..., str]  # why the model cannot run padded ("" if it can): ``lowering.padding``
 
 __all__ = ["Plan", "plan_for"]
 
@@ -45,14 +49,20 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
-             example_kwargs: Optional[Mapping[str, Any]] = None, experts: Optional[str] = None) -> Plan:
+             example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
+             pick: Optional[Pick] = None, check: Optional[PaddingCheck] = None, experts: Optional[str] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
     ``mesh`` is a mesh (``xs.Mesh``, ``DeviceMesh``) or axis sizes such as ``{"model": 4}`` (``xla_tp.plan_for``
     also takes None: the global mesh of ``make_mesh``). Without
     ``example_inputs`` an input is synthesised (token ids for a model that starts with an embedding,
-    floats of its first layer's width otherwise). Attention that cannot be split is a ``PlanError``;
-    a weight whose role cannot be determined stays replicated, its reason in ``plan.replicated``.
+    floats of its first layer's width otherwise). A block that cannot be split the optimal way takes
+    the cheapest valid alternative (``plan.choices``); attention nothing splits is computed whole
+    (``plan.whole_attention``); a weight whose role cannot be determined stays replicated, its reason
+    in ``plan.replicated``. ``strict=True`` accepts only the optimum: any of these is a ``PlanError``.
+    ``pick(choice)`` may take another of a block's alternatives than the cheapest (``choice.alternatives``).
+    ``check(model, packings, graph, example_inputs, example_kwargs)`` says why the model cannot run with
+    zero heads added (``lowering.padding``; ``xla_tp.plan_for`` passes it): without it none are added.
     ``experts`` picks the layout of mixture-of-experts layers (``"expert-parallel"``,
     ``"expert-tensor-parallel"``, ``"replicated"``) instead of the cheapest (``planners.experts``).
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
@@ -62,14 +72,37 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     tp = axis_size(mesh, tp_axis)
     graph = trace(model, example_inputs, example_kwargs)
     found = find_experts(graph)
-    roles = decide(graph, tp, frozenset(found.nodes))
-    assign_experts(roles, found, tp, experts)
-    plan = build_plan(model, graph, roles)
+    on_meta = any(p.is_meta for p in model.parameters())
+    meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
+
+    def roles(padding: str) -> Roles:
+        out = decide(graph, tp, padding, pick, copies=not on_meta, routed=frozenset(found.nodes))
+        assign_experts(out, found, tp, experts)
+        return out
+
+    plan = build_plan(model, graph, roles(meta or ("" if check else "no check of the padded model was given")))
+    problem = check(model, plan.packings, graph, example_inputs, example_kwargs) if check else ""
+    if problem:  # zero heads were cheapest but the model does not run with them: the next best
+        plan = build_plan(model, graph, roles(f"the model does not run with them ({problem})"))
     plan.mesh_sizes = sizes_of(mesh)
+    if strict:
+        _require_optimum(model, plan)
     if not plan:
-        raise PlanError(f"plan 'auto' found nothing to split in {type(model).__name__}: "
-                        f"{_first_reasons(plan)}; pass a plan dict instead")
+        warnings.warn(f"xla_tp: plan 'auto' found nothing to split in {type(model).__name__} "
+                      f"({_first_reasons(plan)}): every parameter is replicated", stacklevel=2)
     return plan
+
+
+def _require_optimum(model: nn.Module, plan: Plan) -> None:
+    """``strict=True``: a ``PlanError`` naming what keeps ``plan`` from the optimum."""
+    problems = [f"{c.block}: {c.why} (cheapest alternative: {c.chosen.name})" for c in plan.choices[:3]]
+    problems += [f"attention computed whole: {line}" for line in plan.whole_attention]
+    if not plan:
+        problems.append(f"nothing to split ({_first_reasons(plan)})")
+    if problems:
+        raise PlanError(f"plan 'auto' cannot reach the optimum for {type(model).__name__} (strict=True): "
+                        + " | ".join(problems) + ". Pass strict=False to take the cheapest valid plan, "
+                        "a plan dict, or a mesh whose model axis divides the heads")
 
 
 def _first_reasons(plan: Plan) -> str:

@@ -20,12 +20,24 @@ from torch.distributed.tensor.placement_types import Placement
 from ..axes import TP, mesh_axes, spec_entry
 from ..plan.layout import Chain, ModuleLayout
 from ..plan.styles import ShardParams, Style
+from ..plan.subaxis import split_sub_axis, sub_axis
 
 
 def mesh_axis(logical: Optional[str]) -> object:
     """The spec entry of a parameter dimension: ``mesh_axis("heads") == "tp"`` (the tensor-parallel
-    axis, whatever its name); ``mesh_axis("embed") is None``; unknown names are an error."""
-    return spec_entry(mesh_axes(logical, tp_axis=TP))
+    axis, whatever its name); ``mesh_axis("heads@4") == "tp@4"`` (a sub-axis: ``plan.subaxis``);
+    ``mesh_axis("embed") is None``; unknown names are an error."""
+    base, size = split_sub_axis(logical) if logical is not None else (None, None)
+    axes = mesh_axes(base, tp_axis=TP)
+    return spec_entry(axes if size is None else tuple(sub_axis(a, size) for a in axes))
+
+
+def _named(entry: object, tp_axis: str) -> object:
+    """``TP``'s sub-axes named after the call's tensor-parallel axis (``ShardParams`` names ``TP`` itself)."""
+    if not isinstance(entry, str):
+        return entry
+    base, size = split_sub_axis(entry)
+    return sub_axis(tp_axis, size) if base == TP and size is not None else entry
 
 
 @dataclass(frozen=True)
@@ -39,7 +51,7 @@ class LogicalStyle(Style):
     input_grad: bool = False  # an MoE experts layer's (see ModuleLayout)
 
     def lower(self, fqn: str, module: nn.Module, key: str, tp_axis: str) -> ModuleLayout:
-        specs = {n: tuple(mesh_axis(a) for a in axes) for n, axes in self.params.items()}
+        specs = {n: tuple(_named(mesh_axis(a), tp_axis) for a in axes) for n, axes in self.params.items()}
         ml = ShardParams(specs, outputs=self.outputs, natural_output=self.natural_output,
                          input_grad=self.input_grad).lower(fqn, module, key, tp_axis)
         ml.style = self.role or repr(self)

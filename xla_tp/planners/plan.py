@@ -30,6 +30,7 @@ from ..errors import PlanError
 from ..plan.explain import explain
 from ..plan.packing import Packing
 from .logical import LogicalStyle
+from .alternatives import Choice
 from .roles import ParamRole, Role, Roles
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a leading index stays: "0" must not become "*"
@@ -55,6 +56,8 @@ class Plan(dict):
         self.packings: dict[str, Packing] = {}
         self.slicers: frozenset[str] = frozenset()
         self.graph: Optional[Graph] = None
+        self.choices: list[Choice] = []  # blocks off the optimum, with their priced alternatives
+        self.whole_attention: list[str] = []  # attention computed whole, and why
         self.mesh_sizes: Optional[dict[str, int]] = None  # the mesh a planner planned for
 
     @classmethod
@@ -95,6 +98,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.slicers = frozenset(roles.sites)
     plan.graph = graph
+    plan.choices, plan.whole_attention = roles.choices, roles.whole_attention
     return plan
 
 

@@ -7,13 +7,14 @@ From a traced forward (``xla_tp.dataflow``), for a model axis of ``tp`` devices:
    their product). Groups are taken in call order; a projection belongs to the first that takes it.
 2. A group is column -> row if its regions end in row projections and nothing needs the whole
    feature dimension. Sizes the split must respect (heads, packed blocks) must divide ``tp``; a
-   member that fails (key/value heads fewer than ``tp``) is left replicated, the rest stays split.
-   Packed projections whose consumers slice them into blocks (``qkv[..., :E]``) are re-laid so each
-   device holds its part of every block.
+   block where they do not (key/value heads fewer than ``tp``, 28 heads on 8 devices) takes the
+   cheapest valid alternative (``alternatives``: some members whole, a sub-axis, an uneven split,
+   the block whole). Packed projections whose consumers slice them into blocks (``qkv[..., :E]``)
+   are re-laid so each device holds its part of every block.
 3. A projection whose features only reach the model's output is an output head (vocab-parallel);
    an embedding looked up with the model's input ids is vocab-parallel; torch's MultiheadAttention
    is its own group. Everything else is replicated, with the reason.
-4. Attention that no group splits is a ``PlanError`` naming it and what stopped it.
+4. Attention that no group splits is computed whole, listed with what stopped it (``whole_attention``).
 
 Module names are never read: they only label explanations. Example:
 
@@ -32,9 +33,12 @@ from enum import Enum
 from typing import Optional
 
 from ..dataflow.graph import Graph, Node, Value
-from ..dataflow.regions import Projection, Region, describe, explore, is_attention, projections
-from ..errors import PlanError
+from ..dataflow.patches import patches
+from ..dataflow.regions import Projection, Region, describe, explore, projections
 from ..plan.packing import Packing
+from ..plan.subaxis import sub_axis
+from .alternatives import Choice, Pick, blocks_of, choose
+from .reasons import stop_reason, whole_attention
 
 Axes = tuple[Optional[str], ...]
 
@@ -77,7 +81,10 @@ class Roles:
 
     params: dict[str, ParamRole] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)  # column members of each split group
-    sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks
+    choices: list[Choice] = field(default_factory=list)  # blocks off the optimum: their priced alternatives
+    whole_attention: list[str] = field(default_factory=list)  # attention no block splits, and why
+    sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks or merge
+    # heads with the batch
     natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
     # weight is an embedding in one module and an output head in another)
 
@@ -94,17 +101,24 @@ class Roles:
         self.params[weight.name] = role
 
 
-def decide(graph: Graph, tp: int, routed: frozenset[int] = frozenset()) -> Roles:
-    """See the module docstring. ``routed``: nodes that multiply tokens by routed expert weights (not
-    attention: ``planners.experts``)."""
+def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None, copies: bool = True,
+           routed: frozenset[int] = frozenset()) -> Roles:
+    """See the module docstring. ``padding``: why no block may add zero heads (``alternatives``);
+    ``pick``: which alternative a block off the optimum takes (default: the cheapest); ``copies``: whether
+    a packed block may be copied to every device (``Region.copied``; not for a model on meta); ``routed``:
+    nodes that multiply tokens by routed expert weights (not attention: ``planners.experts``)."""
     roles = Roles()
     projs = projections(graph)
     regions = [explore(graph, p) for p in projs]
+    for r in regions:
+        if r.copied and not copies:  # a model on meta: its own init would make the copies differ
+            r.stop = f"a block of it ({next(iter(r.copied.values()))}) would be copied to every device, which " \
+                     f"its own init on meta would make differ"
     taken: dict[int, str] = {}  # projection node index -> role kind
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set(routed)
     for group in _groups(regions):
-        _apply_group(group, tp, roles, taken, reasons, covered)
+        _apply_group(graph, group, tp, roles, taken, reasons, covered, padding, pick)
     _mha(graph, tp, roles, covered)
     vocab = _embeddings(graph, roles)
     for region in regions:
@@ -112,24 +126,22 @@ def decide(graph: Graph, tp: int, routed: frozenset[int] = frozenset()) -> Roles
         if node.index in taken:
             continue
         if _is_head(region, vocab, tp):
-            _set_column(roles, region.projection, "head", "vocab", "output head: vocab-parallel, its features only "
-                        "reach the model's output (logits stay split, ready for a loss-parallel cross-entropy)")
+            loss = next(iter(region.ends.values()), "")
+            _set_column(roles, region.projection, "head", "vocab", "output head: vocab-parallel, " + (
+                f"the loss in the forward reduces its logits split ({loss}, as Megatron's vocab-parallel "
+                f"cross-entropy)" if loss else "its features only reach the model's output (logits stay split, "
+                "ready for a loss-parallel cross-entropy)"))
             taken[node.index] = "head"
+        elif patches(region.projection):
+            _set_patches(roles, region.projection)
+            taken[node.index] = "row"
         else:
-            why = reasons.get(node.index) or _stop_reason(region)
+            why = reasons.get(node.index) or stop_reason(region)
             roles.set(region.projection.weight, _replicated(region.projection.weight, why))
             if region.projection.bias is not None:
                 roles.set(region.projection.bias, _replicated(region.projection.bias, why))
-    _check_attention(graph, regions, covered, reasons)
+    roles.whole_attention = whole_attention(graph, regions, covered, reasons)
     return roles
-
-
-def _stop_reason(region: Region) -> str:
-    if region.stop:
-        return f"its output {region.stop} ({describe(region.stop_node)}), so it is computed whole"
-    if region.reaches_output and not region.rows:
-        return "its output leaves the model unsplit"
-    return "no row-parallel partner"
 
 
 def _replicated(v: Value, why: str) -> ParamRole:
@@ -160,53 +172,76 @@ def _groups(regions: list[Region]) -> list[list[Region]]:
     return sorted(groups.values(), key=lambda g: g[0].projection.node.index)
 
 
-def _apply_group(group: list[Region], tp: int, roles: Roles, taken: dict[int, str], reasons: dict[int, str],
-                 covered: set[int]) -> None:
+def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken: dict[int, str],
+                 reasons: dict[int, str], covered: set[int], padding: str, pick: Optional[Pick]) -> None:
     members = [r for r in group if r.projection.node.index not in taken]
     rows = {i: row for r in members for i, row in r.rows.items()}
     if not members or any(i in taken for i in rows):
         for r in members:
             reasons.setdefault(r.projection.node.index, "its partner projection is already split by another group")
         return
-    split, dropped = [], []
-    for r in members:
-        why = _granule_problem(r, tp) or _packing_problem(r, tp)
-        (dropped if why else split).append((r, why))
-    for r, why in dropped:
+    ways, split_regions, relaid, pad, chosen = tp, members, True, (0, 0), ""
+    problems = [why for r in members if (why := _problem(r, tp))]
+    if problems:  # off the optimum: the cheapest valid alternative (alternatives.py)
+        choice = choose(graph, members, rows, tp, _problem, problems[0], padding)
+        if pick is not None:
+            choice.picked = choice.alternatives.index(pick(choice))
+        roles.choices.append(choice)
+        alt = choice.chosen
+        ways, split_regions, relaid, pad = alt.ways, list(alt.split), alt.relaid, alt.padded
+        chosen = f" ({'cheapest' if choice.picked == 0 else 'picked'} of {len(choice.alternatives)} ways to split " \
+                 f"this block: {alt.name})"
+    dropped = [r for r in members if r not in split_regions]
+    for r in dropped:
+        why = (_problem(r, tp) or "the block is computed whole") + chosen
         reasons[r.projection.node.index] = why
-    split_regions = [r for r, _ in split]
-    reached = {i for r in split_regions for i in r.rows}
-    if not split_regions or reached != set(rows):
-        for r in members:
-            reasons.setdefault(r.projection.node.index, dropped[0][1] if dropped else "no row-parallel partner")
-        return
-    attention = any(r.attention for r in split_regions)
-    for r in split_regions:
-        p = r.projection
-        what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
-        _set_column(roles, p, "column", "heads" if attention else "mlp",
-                    f"column-parallel: {what} split {tp} ways, read by {_row_names(rows)}",
-                    packing=_packing(r, tp))
-        taken[p.node.index] = "column"
-        covered |= r.attention
-        if r.windows:
-            roles.sites |= r.slicers
-    for r, why in dropped:
         roles.set(r.projection.weight, _replicated(r.projection.weight, why))
         if r.projection.bias is not None:
             roles.set(r.projection.bias, _replicated(r.projection.bias, why))
         taken[r.projection.node.index] = "replicated"
+    if not split_regions:
+        covered |= {i for r in members for i in r.attention}  # attention computed whole, by choice
+        for index, (_, param, _) in rows.items():
+            roles.set(param, _replicated(param, f"contracts a block computed whole{chosen}"))
+            taken[index] = "replicated"
+        return
+    attention = any(r.attention for r in split_regions)
+    logical = "heads" if attention else "mlp"
+    logical = logical if ways == tp else sub_axis(logical, ways)
+    for r in split_regions:
+        p = r.projection
+        what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
+        packing = _padding(p.out_dims[0], blocks_of(r), ways, pad) if pad[0] else _packing(r, ways) if relaid else None
+        _set_column(roles, p, "column", logical, f"column-parallel: {what} split {ways} ways, read by "
+                    f"{_row_names(rows)}{chosen}", packing=packing)
+        taken[p.node.index] = "column"
+        covered |= r.attention
+        if r.windows and relaid:
+            roles.sites |= r.slicers
+        roles.sites |= r.merges  # heads merged with the batch: kept 4-D there (lowering.bmm)
     for index, (node, param, dim) in rows.items():
         axes = ["embed"] * len(param.shape)
-        axes[dim] = "heads" if attention else "mlp"
+        axes[dim] = logical
         cols = ", ".join(r.projection.name.rpartition(".")[0] for r in split_regions)
+        packing = _padding(dim, ((0, param.shape[dim]),), ways, pad) if pad[0] else None
         roles.set(param, ParamRole("row", tuple(axes), f"row-parallel: contracts the split features of {cols}; "
-                                   f"one all-reduce of its output", "partial"), node.module)
+                                   f"one all-reduce of its output", "partial", packing), node.module)
         bias = _row_bias(node, param)
         if bias is not None:
             roles.set(bias, _replicated(bias, "bias of a row-parallel projection: added once, after the reduction"))
         taken[index] = "row"
     roles.groups.append([r.projection.name for r in split_regions])
+
+
+def _padding(dim: int, blocks: tuple[tuple[int, int], ...], tp: int, pad: tuple[int, int]) -> Packing:
+    """Each block of ``pad[0]`` heads grown to ``pad[1]`` heads with zero heads, laid device-major."""
+    heads, padded = pad
+    return Packing(dim, blocks, tp, tuple(n // heads * padded for _, n in blocks))
+
+
+def _problem(r: Region, ways: int) -> str:
+    """Why ``r`` cannot split ``ways`` ways as the optimum does ("" if it can)."""
+    return _granule_problem(r, ways) or _packing_problem(r, ways)
 
 
 def _row_names(rows: dict[int, tuple[Node, Value, int]]) -> str:
@@ -229,37 +264,34 @@ def _granule_problem(r: Region, tp: int) -> str:
     if not bad:
         return ""
     node = r.granules[bad[0]]
-    return (f"its output splits into {bad[0]} heads/blocks ({describe(node)}), which the model axis ({tp}) does "
-            f"not divide: computed whole on every device (no communication)")
+    return f"its output splits into {bad[0]} heads/blocks ({describe(node)}), which {tp} devices do not divide"
 
 
 def _packing(r: Region, tp: int) -> Optional[Packing]:
     blocks = _blocks(r)
     if blocks is None:
         return None
-    return Packing(r.projection.out_dims[0], blocks, tp)
+    return Packing(r.projection.out_dims[0], blocks, tp, whole=_copied(r, blocks))
+
+
+def _copied(r: Region, blocks: tuple[tuple[int, int], ...]) -> frozenset[int]:
+    """The blocks every device gets a copy of (``Region.copied``)."""
+    return frozenset(i for i, b in enumerate(blocks) if b in r.copied)
 
 
 def _blocks(r: Region) -> Optional[tuple[tuple[int, int], ...]]:
     """The blocks consumers slice a packed projection into, covering all its outputs; None if unpacked."""
-    if not r.windows:
-        return None
-    size = r.projection.size
-    cuts = {0, size}
-    for base, span in r.windows:
-        cuts |= {int(base), int(base + span)}
-    edges = sorted(cuts)
-    return tuple((a, b - a) for a, b in zip(edges, edges[1:]))
+    return blocks_of(r) if r.windows else None
 
 
 def _packing_problem(r: Region, tp: int) -> str:
     if any(base.denominator != 1 or span.denominator != 1 for base, span in r.windows):
         return "its packed output is sliced at positions that are not whole features"
     blocks = _blocks(r)
-    if blocks and any(size % tp for _, size in blocks):
+    copied = _copied(r, blocks) if blocks else frozenset()
+    if blocks and any(size % tp for i, (_, size) in enumerate(blocks) if i not in copied):
         sizes = [s for _, s in blocks]
-        return (f"its packed output is sliced into blocks of {sizes}, which the model axis ({tp}) does not "
-                f"all divide: computed whole on every device")
+        return f"its packed output is sliced into blocks of {sizes}, which {tp} devices do not all divide"
     return ""
 
 
@@ -271,7 +303,7 @@ def _set_column(roles: Roles, p: Projection, kind: str, logical: str, why: str,
         axes[d] = None
     roles.set(p.weight, ParamRole(kind, tuple(axes), why, "shard", packing), p.node.module)
     if p.bias is not None:
-        bias_pack = Packing(0, packing.blocks, packing.tp) if packing else None
+        bias_pack = packing.for_bias() if packing else None
         roles.set(p.bias, ParamRole(kind, (logical,), f"bias of a {why.split(':')[0]} projection: split with "
                                                       f"its outputs", "shard", bias_pack))
 
@@ -308,11 +340,24 @@ def _is_input(v: Value) -> bool:
 
 
 def _is_head(region: Region, vocab: dict[str, int], tp: int) -> bool:
-    """An output head worth splitting: features reach only the output, more of them than devices."""
-    if not region.ok or region.rows or region.attention or not region.reaches_output:
+    """An output head worth splitting: features reach only the output (or a loss over them, ``vocab``),
+    more of them than devices."""
+    if not region.ok or region.rows or region.attention or not (region.reaches_output or region.ends):
         return False
     p = region.projection
     return p.weight.name in vocab or p.size in vocab.values() or -(-p.size // tp) < p.size
+
+
+def _set_patches(roles: Roles, p: Projection) -> None:
+    """A patch embedding (``patches``): split over its kernel rows, like a vocabulary-parallel embedding."""
+    axes = (None, None, "kernel") + (None,) * (len(p.weight.shape) - 3)
+    roles.set(p.weight, ParamRole("row", axes, f"patch embedding: a convolution over non-overlapping "
+                                  f"{'x'.join(map(str, p.weight.shape[2:]))} patches, split over its kernel rows "
+                                  f"(each device sums its rows of every patch); one all-reduce of its output",
+                                  "partial"), p.node.module)
+    if p.bias is not None:
+        roles.set(p.bias, _replicated(p.bias, "bias of a row-parallel projection: added once, after the reduction"))
+    roles.sites.add(p.node.module)  # where the lowering writes the convolution as an einsum (its patchify)
 
 
 def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
@@ -342,39 +387,6 @@ def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
         if isinstance(out_b, Value):
             roles.set(out_b, _replicated(out_b, "bias of a row-parallel projection: added once, after the reduction"))
         covered.add(node.index)
-
-
-def _check_attention(graph: Graph, regions: list[Region], covered: set[int], reasons: dict[int, str]) -> None:
-    """Attention that no split group covers cannot be sharded: refuse instead of guessing."""
-    missed = [n for n in graph.nodes if is_attention(n) and n.index not in covered]
-    if not missed:
-        return
-    by_output = {r.projection.node.outputs[0].index: r for r in regions}
-    lines = []
-    for node in missed[:3]:
-        feeders = _feeders(node, by_output)
-        why = "; ".join(f"{r.projection.name.rpartition('.')[0]}: "
-                        f"{reasons.get(r.projection.node.index) or _stop_reason(r)}" for r in feeders[:3])
-        lines.append(f"{describe(node)} on {[list(v.shape) for v in node.tensors[:3]]}"
-                     f" ({why or 'no projection feeds it'})")
-    raise PlanError("plan 'auto' cannot shard the attention of this model: " + " | ".join(lines)
-                    + (f" (+{len(missed) - 3} more)" if len(missed) > 3 else "")
-                    + ". Pass a plan dict, or a mesh whose model axis divides the heads")
-
-
-def _feeders(node: Node, by_output: dict[int, Region]) -> list[Region]:
-    """The projections whose outputs reach ``node`` (nearest first)."""
-    found, seen, work = [], set(), list(node.tensors)
-    while work:
-        v = work.pop(0)
-        if v.index in seen:
-            continue
-        seen.add(v.index)
-        if v.index in by_output:
-            found.append(by_output[v.index])
-        elif v.producer is not None and v.dynamic:
-            work.extend(v.producer.tensors)
-    return found
 
 
 __all__ = ["Packing", "ParamRole", "Role", "Roles", "decide"]

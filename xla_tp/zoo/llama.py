@@ -5,6 +5,8 @@ Module names (``tok_embeddings``, ``layers.<i>.attention.wq``, ...,
 published tensor-parallel plan keys apply unchanged. The attention core uses
 two ``torch.einsum`` calls, a finite causal mask and real-valued rotary
 embeddings (no complex numbers, no SDPA) so it lowers cleanly on XLA SPMD.
+For decoding, ``forward(tokens, cache=KVCache)`` reads and writes a static
+key/value cache (torchtitan's model has none; torchchat's has one like it).
 
 Example:
     >>> import torch
@@ -16,7 +18,8 @@ Example:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +28,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-__all__ = ["LlamaArgs", "RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Llama",
+__all__ = ["LlamaArgs", "RMSNorm", "Attention", "FeedForward", "TransformerBlock", "Llama", "KVCache",
            "precompute_rope", "apply_rope", "torchtitan_tp_plan", "megatron_tp_plan"]
 
 _MASK_VALUE = -1e9  # large negative *finite* value: -inf can produce NaNs on XLA
@@ -55,12 +58,69 @@ def precompute_rope(head_dim: int, max_seq_len: int, theta: float, device=None) 
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive channel pairs of ``x`` ``[B, S, H, D]`` by ``rope`` ``[S, D // 2, 2]``."""
+    """Rotate consecutive channel pairs of ``x`` ``[B, S, H, D]`` by ``rope`` ``[S, D // 2, 2]`` (or
+    ``[B, S, D // 2, 2]``: a position per sequence)."""
     xf = x.float().unflatten(-1, (-1, 2))  # [B, S, H, D/2, 2]
     x0, x1 = xf[..., 0], xf[..., 1]
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    rope = rope if rope.dim() == 4 else rope[None]
+    cos, sin = rope[:, :, None, :, 0], rope[:, :, None, :, 1]
     out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
     return out.flatten(-2).type_as(x)
+
+
+@dataclass
+class KVCache:
+    """A static key/value cache for :class:`Llama`: per layer ``[batch, length, n_kv_heads, head_dim]``.
+
+    Before a call, ``at`` says where its tokens go: their cache slots ``[S]``, their rotary positions
+    ``[B, S]`` and which slots hold a sequence's tokens (``valid`` ``[B, length]``, False for left
+    padding); each layer writes its keys and values at those slots in place and attends to the
+    valid slots up to each token's own. Example:
+
+    >>> model = Llama(LlamaArgs())
+    >>> cache = KVCache.empty(model.args, batch=1, length=8)
+    >>> prompt = cache.at(torch.arange(3), torch.arange(3)[None], torch.ones(1, 8, dtype=torch.bool))
+    >>> model(torch.tensor([[5, 6, 7]]), cache=prompt).shape
+    torch.Size([1, 3, 128])
+    """
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    slots: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+    attend: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    @classmethod
+    def empty(cls, args: LlamaArgs, batch: int, length: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | None = None) -> KVCache:
+        """Zeros for ``batch`` sequences of up to ``length`` tokens."""
+        shape = (batch, length, args.n_kv_heads or args.n_heads, args.dim // args.n_heads)
+        make = lambda: [torch.zeros(shape, dtype=dtype, device=device) for _ in range(args.n_layers)]
+        return cls(make(), make())
+
+    def at(self, slots: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor) -> KVCache:
+        """The cache, set for a call on tokens written at ``slots`` (see the class docstring)."""
+        ids = torch.arange(self.keys[0].shape[1], device=slots.device)
+        self.slots, self.positions = slots, positions
+        self.attend = valid[:, None, :] & (ids[None, None, :] <= slots[None, :, None])  # [B, S, length]
+        return self
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write ``layer``'s new keys and values ``[B, S, kv, D]`` at the slots; the whole cache of it."""
+        self.keys[layer].index_copy_(1, self.slots, k)
+        self.values[layer].index_copy_(1, self.slots, v)
+        return self.keys[layer], self.values[layer]
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's view of a :class:`KVCache`."""
+
+    cache: KVCache
+    layer: int
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cache.update(self.layer, k, v)
 
 
 class RMSNorm(nn.Module):
@@ -95,18 +155,22 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, n_kv * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
         bs, seqlen, _ = x.shape
         # -1 for heads: works whether or not the head dim is sharded across devices.
         xq = self.wq(x).view(bs, seqlen, -1, self.head_dim)
         xk = self.wk(x).view(bs, seqlen, -1, self.head_dim)
         xv = self.wv(x).view(bs, seqlen, -1, self.head_dim)
         xq, xk = apply_rope(xq, rope), apply_rope(xk, rope)
+        if cache is None:
+            mask = torch.triu(torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device), diagonal=1)
+        else:
+            xk, xv = cache.update(xk, xv)
+            mask = ~cache.cache.attend[:, None]  # [B, 1, S, length]
         if self.n_rep > 1:
             xk = xk.repeat_interleave(self.n_rep, dim=2)
             xv = xv.repeat_interleave(self.n_rep, dim=2)
         scores = torch.einsum("bqhd,bkhd->bhqk", xq, xk).float() / math.sqrt(self.head_dim)
-        mask = torch.triu(torch.ones(seqlen, seqlen, dtype=torch.bool, device=x.device), diagonal=1)
         probs = F.softmax(scores.masked_fill(mask, _MASK_VALUE), dim=-1).type_as(xv)
         out = torch.einsum("bhqk,bkhd->bqhd", probs, xv)
         return self.wo(out.reshape(bs, seqlen, -1))
@@ -139,8 +203,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, cache: Optional[LayerCache] = None) -> torch.Tensor:
+        normed = self.attention_norm(x)
+        h = x + (self.attention(normed, rope) if cache is None else self.attention(normed, rope, cache=cache))
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -167,13 +232,16 @@ class Llama(nn.Module):
         """Recompute the (non-persistent) rotary buffer, e.g. after ``to_empty()`` from meta."""
         self.rope = self._compute_rope(device=self.rope.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        seqlen = tokens.shape[1]
-        assert seqlen <= self.args.max_seq_len, "sequence longer than max_seq_len"
-        rope = self.rope[:seqlen]
+    def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None) -> torch.Tensor:
+        """Logits of ``tokens``; with ``cache`` (set by ``KVCache.at``), of tokens that follow it."""
+        if cache is None:
+            assert tokens.shape[1] <= self.args.max_seq_len, "sequence longer than max_seq_len"
+            rope = self.rope[: tokens.shape[1]]
+        else:
+            rope = self.rope[cache.positions]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, rope)
+        for i, layer in enumerate(self.layers.values()):
+            h = layer(h, rope) if cache is None else layer(h, rope, cache=LayerCache(cache, i))
         return self.output(self.norm(h))
 
 

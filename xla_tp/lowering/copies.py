@@ -1,0 +1,135 @@
+"""Blocks of a packed projection that every device holds whole: multi-query attention's key/value head.
+
+GPT-BigCode/StarCoder pack q (all heads) with one key and one value head in ``c_attn``. "auto" splits
+the query heads and gives every device its own copy of the key/value block (``packed.Packing.whole``:
+the weight grows by the copies). The model slices that block out as ``[B, 1, S, D]``; what it gets
+(``copied_block``) is the copies' mean (which only an all-reduce could form, so a use xla_tp does not
+know costs one), carrying the copies as key/value heads ``[B, tp, S, D]`` (``_KV``): device ``d``'s
+query heads read copy ``d``. Attention (``attention.sdpa``, ``as_kv_heads``), Hugging Face's
+``repeat_kv`` (an index adding a dim, ``expand``, a ``reshape`` merging the repeats) and a KV cache's
+``cat`` (``HANDLERS``) use them, so nothing moves. The copies stay equal: the projection reads its weight through ``summed``, so
+each copy's gradient is their sum (``sum_copies``), what the one original weight would have got. Example:
+
+>>> part = torch.randn(2, 1, 5, 1, 8).expand(2, 1, 5, 4, 8)          # [B, 1 head, S, 4 copies, D]
+>>> k = copied_block(part)
+>>> k.shape, as_kv_heads(k).shape
+(torch.Size([2, 1, 5, 8]), torch.Size([2, 4, 5, 8]))
+>>> repeated = reshape(expand(getitem(k, (slice(None), slice(None), None)), 2, 1, 8, 5, 8), 2, 8, 5, 8)
+>>> torch.equal(repeated, k[:, :, None].expand(2, 1, 8, 5, 8).reshape(2, 8, 5, 8))     # equal copies
+True
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+_KV = "_xla_tp_kv_copies"  # on a copied block as the model sees it: (copies as heads, the head dim)
+_MARK = 97  # a size no other dim has, to find where an index moves the head dim
+
+
+def copied_block(part: torch.Tensor) -> torch.Tensor:
+    """The block the model asked for (``[B, 1, S, D]``), from its copies ``part`` (``[B, 1, S, tp, D]``)."""
+    block = part.mean(-2)
+    if part.dim() == 5 and part.shape[1] == 1:
+        _tag(block, part.squeeze(1).movedim(-2, 1), 1)
+    return block
+
+
+def _tag(t: torch.Tensor, heads: torch.Tensor, dim: int) -> torch.Tensor:
+    setattr(t, _KV, (heads, dim))
+    return t
+
+
+def _kv(t: Any) -> Optional[tuple[torch.Tensor, int]]:
+    return getattr(t, _KV, None) if isinstance(t, torch.Tensor) else None
+
+
+def as_kv_heads(t: torch.Tensor) -> torch.Tensor:
+    """A ``[B, 1, S, D]`` copied key/value as ``[B, tp, S, D]``; ``t`` itself when it has no copies."""
+    kv = _kv(t)
+    return kv[0] if kv is not None and kv[1] == t.dim() - 3 else t
+
+
+def getitem(x: torch.Tensor, index: Any) -> Any:
+    """``x[:, :, None]`` and the like (new dims, whole slices) on the copies too."""
+    kv = _kv(x)
+    items = index if isinstance(index, tuple) else (index,)
+    if kv is None or not all(i is None or i is Ellipsis or i == slice(None) for i in items):
+        return NotImplemented
+    heads, dim = kv
+    probe = torch.empty([_MARK if d == dim else 1 for d in range(x.dim())], device="meta")[index]
+    return _tag(x[index], heads[index], list(probe.shape).index(_MARK))
+
+
+def expand(x: torch.Tensor, *sizes: Any) -> Any:
+    """``expand`` of the repeats next to the head dim: each copy repeated for its share of the query heads."""
+    kv = _kv(x)
+    sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
+    if kv is None or kv[1] + 1 >= len(sizes) or x.shape[kv[1] + 1] != 1:
+        return NotImplemented
+    heads, dim = kv
+    tp, repeats = heads.shape[dim], sizes[dim + 1]
+    if repeats % tp:
+        return NotImplemented
+    wanted = [*sizes[:dim], tp, repeats // tp, *sizes[dim + 2:]]
+    return _tag(x.expand(*sizes), heads.expand(*wanted), dim)
+
+
+def reshape(x: torch.Tensor, *shape: Any) -> Any:
+    """The head dim merged with its repeats: the query heads' keys, each device's from its own copy."""
+    kv = _kv(x)
+    shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+    if kv is None:
+        return NotImplemented
+    heads, dim = kv
+    out = x.reshape(shape)
+    if out.dim() == x.dim() - 1 and out.shape[dim] == x.shape[dim] * x.shape[dim + 1]:
+        return heads.reshape(out.shape)
+    return out
+
+
+def cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
+    """A KV cache growing by copied keys/values (its first, empty tensor aside): the copies grow too."""
+    items = [t for t in tensors if t.numel()]
+    kvs = [_kv(t) for t in items]
+    if not items or any(kv is None or kv[1] != kvs[0][1] for kv in kvs):
+        return NotImplemented
+    return _tag(torch.cat(items, dim, **kwargs), torch.cat([heads for heads, _ in kvs], dim), kvs[0][1])
+
+
+class _SummedCopies(torch.autograd.Function):
+    """The weight as it is; its gradient with each copied block's copies summed (``sum_copies``)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, packing: Any) -> torch.Tensor:
+        ctx.packing = packing
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return sum_copies(grad, ctx.packing), None
+
+
+def summed(weight: Any, packing: Any) -> Any:
+    """``weight`` for a projection, its copies' gradients summed when ``packing`` copies blocks."""
+    if not isinstance(weight, torch.Tensor) or packing is None or not packing.whole:
+        return weight
+    return _SummedCopies.apply(weight, packing)
+
+
+def sum_copies(grad: torch.Tensor, packing: Any) -> torch.Tensor:
+    """A re-laid weight's gradient with each copied block's copies replaced by their sum."""
+    tp, dim = packing.tp, packing.dim
+    g = grad.movedim(dim, -1).unflatten(-1, (tp, packing.laid_size // tp))
+    parts, offset = [], 0
+    for i, size in enumerate(packing.sizes):
+        share = size // tp
+        part = g[..., offset:offset + share]
+        parts.append(part.sum(-2, keepdim=True).expand_as(part) if i in packing.whole else part)
+        offset += share
+    return torch.cat(parts, -1).flatten(-2).movedim(-1, dim)
+
+
+HANDLERS = {torch._C.TensorBase.__getitem__: getitem, torch.Tensor.expand: expand, torch.Tensor.reshape: reshape,
+            torch.Tensor.view: reshape, torch.cat: cat}
