@@ -12,6 +12,7 @@ import torch_xla
 
 import xla_tp
 from xla_tp.auditing.params import local_numel, sharding_string
+from xla_tp.plan.hf import hf_plan
 
 from .helpers import grads, max_err
 from .moe_models import build
@@ -150,13 +151,23 @@ def test_unparallelize_takes_the_lowering_off(mesh):
         xla_tp.set_moe_options(xla_tp.parallelize_xla(model, "auto", mesh=mesh), capacity_factor=0)
 
 
-def test_hf_moe_strings_lower_to_expert_tensor_parallel(mesh):
+def _ep_plan(model) -> dict:
+    """The model's HF tensor-parallel plan with its expert-parallel one (``grouped_gemm``) on the experts."""
+    ep = {"model." + k: v for k, v in model.config.base_model_ep_plan.items()}
+    tp = {k: v for k, v in hf_plan(model).items() if ".experts" not in k}
+    return {**tp, **ep}
+
+
+@pytest.mark.parametrize("plan,layout", [("hf", "expert-tensor-parallel"), (_ep_plan, "expert-parallel")],
+                         ids=["tp_plan", "ep_plan"])
+def test_hf_moe_strings_lower_to_the_experts_layouts(mesh, plan, layout):
     torch.manual_seed(0)
     cpu = build("mixtral")
-    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "hf", mesh=mesh)  # packed_colwise, rowwise, moe_tp_experts
+    plan = plan if isinstance(plan, str) else plan(cpu)  # packed_colwise, rowwise, moe_tp_experts | grouped_gemm
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), plan, mesh=mesh)
     xla_tp.set_moe_options(model, dropless=True)
     ids = torch.randint(0, 128, (4, 16))
     assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
-    assert {r["layout"] for r in xla_tp.moe_report(model).values()} == {"expert-tensor-parallel"}
+    assert {r["layout"] for r in xla_tp.moe_report(model).values()} == {layout}
     report = xla_tp.audit(model, ids.to(torch_xla.device()), mesh=mesh)
     assert report.count("collective-permute") == 0 and report.count("all-to-all") == 0  # gate/up re-laid as HF's
