@@ -5,6 +5,7 @@ for a training step (dropless: the model's own results) and once for a forward a
 capacity factor (the audit); every test reads those.
 """
 import copy
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -171,3 +172,26 @@ def test_hf_moe_strings_lower_to_the_experts_layouts(mesh, plan, layout):
     assert {r["layout"] for r in xla_tp.moe_report(model).values()} == {layout}
     report = xla_tp.audit(model, ids.to(torch_xla.device()), mesh=mesh)
     assert report.count("collective-permute") == 0 and report.count("all-to-all") == 0  # gate/up re-laid as HF's
+
+
+class _LoopedExperts(torch.nn.Module):
+    """The eager form: one Linear per expert, each taking the tokens ``torch.where`` finds for it."""
+
+    def __init__(self, hidden: int = 16, experts: int = 4):
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(experts))
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, choice = torch.where(ids == e)
+            out = out.index_add(0, token, expert(x[token]) * weights[token, choice, None])
+        return out
+
+
+def test_experts_chosen_by_value_are_refused_with_what_to_do(mesh):
+    with pytest.raises(xla_tp.PlanError, match=r"nonzero.* in moe gives a shape that depends on the values.*"
+                                                r"pass a plan instead of 'auto'"):  # made-up input: now, not at a call
+        xla_tp.parallelize_xla(torch.nn.Sequential(OrderedDict(moe=_LoopedExperts())), "auto", mesh=mesh)

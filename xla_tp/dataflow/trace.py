@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_map
@@ -146,6 +146,12 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
                 out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
         except PlanError:
             raise
+        except DynamicOutputShapeException as e:  # no input traces it: said at once, not at the first call
+            raise PlanError(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
+                            f"layout: {e.func} in {_last_module(graph)} gives a shape that depends on the "
+                            f"values (experts chosen with torch.where/nonzero, one Linear per expert in a ModuleList, "
+                            f"are not traced); pass a plan instead of 'auto', or hold the experts in [experts, ...] "
+                            f"weights indexed by the router's top-k ids, as transformers' MoE models do") from e
         except Exception as e:  # the model's own error, surfaced with what to do
             error = MadeUpInputError if made_up else PlanError
             raise error(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
@@ -156,6 +162,11 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
                 h.remove()
     graph.outputs = [recorder.value_of(t) for t in tree_flatten(_plain(out))[0] if isinstance(t, torch.Tensor)]
     return graph
+
+
+def _last_module(graph: Graph) -> str:
+    """The module of the last call recorded (where a trace stopped)."""
+    return graph.nodes[-1].module if graph.nodes and graph.nodes[-1].module else "the model's own forward"
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
