@@ -182,8 +182,9 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
 
     Merges, later entries winning: ``config.base_model_tp_plan`` (keys relative to the base model,
     prefixed with ``base_model_prefix`` when ``model`` wraps one), each child's ``_tp_plan``
-    (prefixed with the child's name), then the model's own ``_tp_plan`` (e.g. ``lm_head``).
-    Example:
+    (prefixed with the child's name), then the model's own ``_tp_plan`` (e.g. ``lm_head``). Keys that
+    name no module or parameter of ``model`` are left out, as HF leaves them unused: a plan covers its
+    family's variants (Qwen3-MoE's dense MLP, absent when every layer is MoE). Example:
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> plan = hf_plan(LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -200,7 +201,9 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
         _merge(plan, getattr(child, "_tp_plan", None), name)
     _merge(plan, getattr(type(model), "_tp_plan", None), "")
     _merge(plan, getattr(model, "_tp_plan", None), "")
-    return plan
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    _, unused = match_keys(plan, names)
+    return {k: v for k, v in plan.items() if k not in unused}
 
 
 def _merge(plan: dict[str, str], extra: Optional[Mapping[str, Any]], prefix: str) -> None:
