@@ -154,7 +154,8 @@ def _router(topk: Node) -> Optional[Value]:
 def batched_experts(model: nn.Module) -> Iterator[None]:
     """Transformers' experts layers traced through their ``batched_mm`` implementation (its
     ``w[ids]`` shows the routing; ``grouped_mm`` hides it in a kernel that fake tensors cannot run in
-    float32); each config's choice is put back after."""
+    float32; ``eager``'s ``nonzero`` has no static shape under ``jax.jit``: the JAX backend runs it
+    too); each config's choice is put back after."""
     configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None
                and hasattr(c, "_experts_implementation_internal")}
     saved = {key: c._experts_implementation_internal for key, c in configs.items()}

@@ -55,7 +55,7 @@ def _layout_of(spec: tuple, axis: str, expert_dim: int = 0) -> str:
 def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], layout: Layout) -> list[str]:
     """Mark every MoE layer of ``root`` found in ``graph`` (None: not traced) and every grouped-experts
     module its layout names (``grouped``); their module FQNs. Only on torch_xla: the JAX backend runs
-    the model's own experts implementation."""
+    transformers' batched_mm experts (``dataflow.routing.batched_experts``)."""
     if not isinstance(state.mesh, xs.Mesh):
         return []
     sizes = dict(zip(state.mesh.axis_names, (int(s) for s in state.mesh.mesh_shape)))
