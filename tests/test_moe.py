@@ -13,6 +13,9 @@ import torch_xla
 
 import xla_tp
 from xla_tp.auditing.params import local_numel, sharding_string
+from xla_tp.launch.check import parallelizer
+from xla_tp.launch.progress import format_metrics
+from xla_tp.launch.train import causal_or_masked_loss
 from xla_tp.plan.hf import hf_plan
 
 from .helpers import grads, max_err
@@ -195,3 +198,18 @@ def test_experts_chosen_by_value_are_refused_with_what_to_do(mesh):
     with pytest.raises(xla_tp.PlanError, match=r"nonzero.* in moe gives a shape that depends on the values.*"
                                                 r"pass a plan instead of 'auto'"):  # made-up input: now, not at a call
         xla_tp.parallelize_xla(torch.nn.Sequential(OrderedDict(moe=_LoopedExperts())), "auto", mesh=mesh)
+
+
+def test_launcher_adds_the_router_loss_checks_dropless_and_logs_drops(mesh):
+    torch.manual_seed(0)
+    cpu = build("mixtral")
+    ids = torch.randint(0, 128, (2, 8))
+    _, loss = causal_or_masked_loss("causal-lm")(cpu, ids, ids)
+    out = cpu(ids, output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
+    assert out.aux_loss > 0 and loss.item() == pytest.approx((ce + 0.01 * out.aux_loss).item(), abs=1e-6)
+    model = parallelizer("auto", mesh, moe=True)(copy.deepcopy(cpu))  # --check: the CPU model's own results
+    assert [layer["dropless"] for layer in xla_tp.moe_report(model).values()] == [True]
+    line = format_metrics({"step": 1, "steps": 2, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "mfu": None,
+                           "compiles": 1, "moe_dropped": 0.125})
+    assert "MoE dropped 12.5%" in line
