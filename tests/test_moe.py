@@ -194,10 +194,31 @@ class _LoopedExperts(torch.nn.Module):
         return out
 
 
-def test_experts_chosen_by_value_are_refused_with_what_to_do(mesh):
-    with pytest.raises(xla_tp.PlanError, match=r"nonzero.* in moe gives a shape that depends on the values.*"
-                                                r"pass a plan instead of 'auto'"):  # made-up input: now, not at a call
-        xla_tp.parallelize_xla(torch.nn.Sequential(OrderedDict(moe=_LoopedExperts())), "auto", mesh=mesh)
+class _CountedExperts(_LoopedExperts):
+    """The grouped form: rows sorted by expert, split by counts read on the host (``.tolist()``)."""
+
+    def forward(self, x):
+        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
+        order = ids.flatten().argsort()
+        counts = torch.nn.functional.one_hot(ids.flatten(), len(self.experts)).sum(0).tolist()
+        rows = x.repeat_interleave(2, 0)[order].split(counts)
+        routed = torch.cat([expert(r) for expert, r in zip(self.experts, rows)]) * weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add(0, order // 2, routed)
+
+
+@pytest.mark.parametrize("layer,op", [(_LoopedExperts, "nonzero"), (_CountedExperts, "_local_scalar_dense")])
+def test_experts_chosen_by_value_are_refused_with_what_to_do(mesh, layer, op):
+    torch.manual_seed(0)
+    x = torch.randn(8, 16)
+    layer()(x)  # runs on the CPU
+    model = torch.nn.Sequential(OrderedDict(moe=layer()))
+    with pytest.raises(xla_tp.PlanError, match=rf"{op}.* in moe.* needs the tensors. values.*"
+                                                r"pass a plan instead of 'auto'"):
+        xla_tp.plan_for(model, mesh=mesh, example_inputs=(x,))
+    with pytest.warns(UserWarning, match="first call"):  # its made-up input may be what the trace stops at
+        xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    with pytest.raises(xla_tp.PlanError, match=rf"{op}.* in moe.* needs the tensors. values"):
+        model(x.to(torch_xla.device()))
 
 
 def test_launcher_adds_the_router_loss_checks_dropless_and_logs_drops(mesh):

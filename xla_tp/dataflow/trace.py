@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_map
@@ -146,12 +146,13 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
                 out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
         except PlanError:
             raise
-        except DynamicOutputShapeException as e:  # no input traces it: said at once, not at the first call
-            raise PlanError(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
-                            f"layout: {e.func} in {_last_module(graph)} gives a shape that depends on the "
-                            f"values (experts chosen with torch.where/nonzero, one Linear per expert in a ModuleList, "
-                            f"are not traced); pass a plan instead of 'auto', or hold the experts in [experts, ...] "
-                            f"weights indexed by the router's top-k ids, as transformers' MoE models do") from e
+        except (DynamicOutputShapeException, DataDependentOutputException) as e:  # what example inputs cannot fix
+            raise (MadeUpInputError if made_up else PlanError)(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
+                            f"layout: {e.func} in {_last_module(graph)} needs the tensors' values (a shape from "
+                            f"torch.where/nonzero, a number from .tolist()/.item(): experts chosen one by one, "
+                            f"tokens counted per expert); pass a plan instead of 'auto', or hold the experts in "
+                            f"[experts, ...] weights indexed by the router's top-k ids, as transformers' MoE models "
+                            f"do") from e
         except Exception as e:  # the model's own error, surfaced with what to do
             error = MadeUpInputError if made_up else PlanError
             raise error(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
