@@ -28,5 +28,10 @@ def run_fresh(script: str, timeout: int = 600, *, fast_compile: bool = False) ->
     env = {**user_env(), **(FAST_COMPILE if fast_compile else {})}
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True,
                             text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.returncode == 0, f"exit status {result.returncode}:\n" + _errors(result.stderr)[-4000:]
     return result.stdout
+
+
+def _errors(stderr: str) -> str:
+    """stderr without XLA's per-compile deprecation warning, which would push the error out of the message."""
+    return "\n".join(line for line in stderr.splitlines() if "GSPMD sharding propagation is going to be" not in line)

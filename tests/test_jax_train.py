@@ -11,6 +11,7 @@ import xla_tp
 from xla_tp.backends.jax import AdamW
 from xla_tp.zoo import registry
 
+from . import moe_models
 from .helpers import max_err
 from .helpers_jax import ensure_cpu_devices  # noqa: F401  (jax's 8 devices first)
 
@@ -102,3 +103,16 @@ def test_to_module_gives_the_trained_torch_model(trained):
     with torch.no_grad():
         expected = jm.to_module()(tokens, use_cache=False).logits
     assert max_err(jm(tokens).logits, expected) < 1e-5
+
+
+def test_moe_model_with_eager_experts_runs_and_keeps_experts_split():
+    """transformers' eager experts (``nonzero``: no static shape under jit) run as its batched ones."""
+    torch.manual_seed(0)
+    model = moe_models.build("mixtral").eval()  # experts_implementation="eager"
+    tokens = torch.randint(0, 128, (4, 16))
+    with torch.no_grad():
+        ref = model(tokens).logits
+    jm = xla_tp.parallelize_jax(model, "auto", mesh=AXES)
+    assert max_err(jm(tokens).logits, ref) < 1e-4
+    assert model.config._experts_implementation == "eager"  # put back after the traced call
+    assert jm.params["model.layers.0.mlp.experts.down_proj"].sharding.spec[0] == "model"  # expert-parallel

@@ -134,3 +134,26 @@ def test_70b_dry_run_on_v5p_64_stays_on_meta(tmp_path):
     assert "only process 0 logs" in out and "nothing was allocated or compiled" in out
     peak_gib = usage.ru_maxrss / 2**20                # KiB on Linux
     assert peak_gib < 3, f"dry run peaked at {peak_gib:.1f} GiB"   # the model in bf16 would be 131 GiB
+
+
+def test_an_moe_model_stores_every_expert_and_computes_with_its_top_k():
+    from xla_tp.launch.fit import activation_bytes
+    from xla_tp.launch.model import active_parameters
+    from xla_tp.launch.train import flops_per_token
+    from .moe_models import configs
+    config = configs()["mixtral"]
+    shape = model_shape(config)
+    assert (shape.experts, shape.top_k, shape.expert_intermediate) == (8, 2, 32)
+    meta = build_model(config, "causal-lm", device="meta")
+    total = sum(p.numel() for p in meta.parameters())
+    experts = 8 * (2 * 32 * 64 + 64 * 32)  # gate_up [8, 64, 64] and down [8, 64, 32], one layer
+    assert active_parameters(meta, shape) == total - experts + experts // 4
+    embedding = meta.model.embed_tokens.weight.numel()  # a lookup, not a matmul (untied)
+    assert flops_per_token(meta, shape, 16) == 6 * (active_parameters(meta, shape) - embedding) + 12 * 1 * 4 * 16 * 16
+    settings = FitSettings("fp32", "adamw", 0.0, 8, 16, False)
+    dense = model_shape(hf_config(load_recipe("tiny-llama-cpu", TINY).model, "tiny"))
+    per_token = activation_bytes(shape, settings, {"model": 4})[0] / (8 * 16)
+    attention_and_norms = 2 * 64 * 12 + 4 * 64 * 4 / 4 + 4 * 16 * 8 / 4
+    assert per_token == pytest.approx(attention_and_norms + 2 * 1.25 * (64 + 4 * 32) * 4 / 4 + 64 * 4 + 128 / 4 * 12,
+                                      rel=1e-6)
+    assert dense.experts == 0

@@ -33,6 +33,8 @@ def test_make_mesh_wrong_product_names_both_numbers():
 def test_make_mesh_unknown_axis():
     with pytest.raises(xla_tp.MeshError, match="'pipeline'"):
         xla_tp.make_mesh(pipeline=2, model=4)
+    with pytest.raises(xla_tp.MeshError, match="'expert'.*experts over the model axis"):
+        xla_tp.make_mesh(expert=2, model=4)
 
 
 def test_device_mesh_conversion():

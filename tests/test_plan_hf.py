@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 import torch_xla
+import transformers
 from torch import nn
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
@@ -14,6 +15,7 @@ from xla_tp.plan.hf import HF_STYLES, hf_plan
 from xla_tp.plan.normalize import build_layout
 from xla_tp.plan.unplanned import unplanned_parameters
 
+from . import moe_models
 from .helpers import MLP, expected_sharding, max_err, sharding
 from .test_errors import assert_unchanged, snapshot
 
@@ -168,6 +170,17 @@ def test_hf_plan_old_era_without_merged_instance_plan():
     base = Base()
     base.config, base.base_model_prefix = Config(), "transformer"   # a base model: no prefix
     assert hf_plan(base) == Config.base_model_tp_plan
+
+
+def test_hf_plan_leaves_out_keys_for_layers_the_config_does_not_build():
+    config = moe_models.configs()["qwen3_moe"]  # every layer MoE: the plan's dense-MLP keys name nothing
+    sparse = transformers.AutoModelForCausalLM.from_config(config)
+    assert "model.layers.*.mlp.gate_proj" not in hf_plan(sparse)
+    assert hf_plan(sparse)["model.layers.*.mlp.experts.gate_up_proj"] == "packed_colwise"
+    config.num_hidden_layers, config.mlp_only_layers = 2, [0]
+    assert hf_plan(transformers.AutoModelForCausalLM.from_config(config))["model.layers.*.mlp.gate_proj"] == "colwise"
+    xla_tp.parallelize_xla(sparse, "hf", mesh=xla_tp.make_mesh(data=2, model=4))  # strict: no key left unused
+    assert sharding(sparse.model.layers[0].self_attn.o_proj.weight) != "{replicated}"
 
 
 def test_llama_under_its_own_tp_plan_matches_cpu():

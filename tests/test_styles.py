@@ -2,6 +2,7 @@
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ParallelStyle
 
 import xla_tp
 from xla_tp import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
@@ -179,3 +180,37 @@ def test_parallelizing_again_forgets_shardings_the_new_plan_leaves_out():
     xla_tp.parallelize_xla(model, {"fc2": RowwiseParallel()}, mesh=mesh)
     assert "devices" not in sharding(model.fc1.weight)
     assert record_of(model.fc1.weight) is None
+
+
+def _titan(name: str, module: str, base: type = ParallelStyle, **attrs) -> type:
+    """A class with torchtitan 0.2's identity (module and name): what its ``parallelize`` functions pass."""
+    return type(name, (base,), {"__module__": module, "_apply": lambda self, m, mesh: m, **attrs})
+
+
+def test_other_libraries_styles_lower_by_registration():
+    from torch.distributed.tensor.placement_types import Partial
+    from xla_tp.plan.normalize import build_layout
+    no_parallel = _titan("NoParallel", "torchtitan.distributed",
+                         __init__=lambda self, use_local_output=True: setattr(self, "output_layout", Replicate()))
+    expert_parallel = _titan("ExpertParallel", "torchtitan.distributed.expert_parallel")
+    expert_tp = _titan("ExpertTensorParallel", "torchtitan.distributed.expert_parallel", base=expert_parallel)
+    tensor_parallel = _titan("TensorParallel", "torchtitan.distributed.expert_parallel")
+
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w1, self.w3 = nn.Parameter(torch.zeros(8, 32, 16)), nn.Parameter(torch.zeros(8, 32, 16))
+            self.w2 = nn.Parameter(torch.zeros(8, 16, 32))
+
+    model = nn.ModuleDict({"gate": nn.Linear(16, 8), "a": Experts(), "b": Experts(), "c": Experts()})
+    plan = {"gate": no_parallel(use_local_output=False), "a": expert_parallel(), "b": expert_tp(), "c": tensor_parallel()}
+    layout = build_layout(model, plan, {"data": 2, "model": 4}, "model")
+    assert layout.params["gate.weight"] == (None, None) and layout.modules["gate"].inputs == ((Replicate(),),)
+    assert layout.params["a.w2"] == layout.params["b.w1"] == ("model", None, None)
+    assert layout.params["c.w1"] == (None, "model", None) and layout.params["c.w2"] == (None, None, "model")
+    assert layout.modules["c"].natural_output == Partial()
+    mine = _titan("Mine", "somewhere.else")
+    with pytest.raises(xla_tp.PlanError, match=r"register_style\(Mine"):
+        build_layout(model, {"gate": mine()}, {"model": 4}, "model")
+    xla_tp.register_style(mine, lambda style, module: xla_tp.ShardParams({"weight": ("tp", None)}))
+    assert build_layout(model, {"gate": mine()}, {"model": 4}, "model").params["gate.weight"] == ("model", None)

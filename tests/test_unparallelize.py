@@ -7,6 +7,7 @@ import torch
 import torch_xla
 
 import xla_tp
+from xla_tp.lowering import scope
 from xla_tp.zoo.registry import build, example_input, run
 
 from .helpers import max_err, sharding
@@ -74,5 +75,6 @@ def test_copying_or_moving_a_parallelized_model_is_refused_until_it_is_plain_aga
     model.to("cpu")
     with pytest.raises(xla_tp.PlanError, match="parameters are on cpu: call xla_tp.unparallelize"):
         run(model, x)
+    assert scope.depth() == 0  # the refused forward left no parallelized model "running" behind it
     xla_tp.unparallelize(model)
     assert max_err(run(copy.deepcopy(model), x), want) < 1e-4 and max_err(run(model, x), want) < 1e-4

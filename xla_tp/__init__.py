@@ -20,8 +20,10 @@ from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import CheckpointError, GenerationError, MeshError, OptimizerError, PlanError
 from .generation import generate
 from .loss import loss_parallel
+from .lowering.routed import moe_report, set_moe_options
 from .mesh import init_device_mesh, make_mesh
 from .plan.hf import hf_plan
+from .plan.registered import register_style
 from .plan.rules import load_rules, regex_plan
 from .plan.styles import ShardParams
 from .plan.unplanned import unplanned_parameters
@@ -35,5 +37,6 @@ __all__ = [
     "parallelize_jax", "parallelize_module", "parallelize_xla", "plan_for", "regex_plan", "state_of", "unparallelize",
     "unplanned_parameters",
 ]
+__all__ += ["moe_report", "register_style", "set_moe_options"]  # mixture-of-experts layers, other libraries' styles
 __all__ += ["CheckpointError", "OptimizerError", "export_hf", "load_checkpoint", "save_checkpoint"]  # training at scale
 __all__ += ["GenerationError", "generate"]  # generation

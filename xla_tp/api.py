@@ -30,9 +30,9 @@ from .errors import PlanError
 from .guard import record_of
 from .lowering import packed
 from .lowering.padding import padding_problem
-from .axes import canonical_axis, mesh_axes
+from .axes import canonical_axis, mesh_axes, sizes_of
 from .mesh import MeshLike, XlaDeviceMesh, to_xs_mesh
-from .plan.hf import hf_plan
+from .plan.hf import expert_packings, hf_plan
 from .plan.layout import Layout, Spec
 from .plan.normalize import build_layout
 from . import planners
@@ -115,13 +115,15 @@ def install_lowering(module: nn.Module, state: ModelState, plan: Plan, embedding
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
              example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
-             pick: Optional[Pick] = None, graph: Optional[Graph] = None) -> Plan:
-    """The plan ``parallelize_xla(model, "auto")`` would apply (``xla_tp.planners.plan_for``); ``mesh``
+             pick: Optional[Pick] = None, experts: Optional[str] = None,
+             graph: Optional[Graph] = None) -> Plan:
+    """The plan ``parallelize_xla(model, "auto")`` would apply (``xla_tp.planners.plan_for``; ``experts=`` picks
+    the layout of MoE layers, ``graph=`` reuses a trace of the model from its plan on another mesh); ``mesh``
     may also be None here: the global mesh of ``make_mesh``, else a 1-D ``model`` mesh over all devices.
     Example: ``xla_tp.plan_for(model, mesh={"data": 2, "model": 4})["lm_head"].role``."""
     return planners.plan_for(model, to_xs_mesh(None) if mesh is None else mesh, tp_axis,
                              example_inputs=example_inputs, example_kwargs=example_kwargs, strict=strict, pick=pick,
-                             check=padding_problem, graph=graph)
+                             check=padding_problem, experts=experts, graph=graph)
 
 
 def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, strict: bool = False) -> Plan:
@@ -131,7 +133,9 @@ def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, str
     ``resolve_plan(model, "auto", {"data": 2, "model": 4}, "model")["lm_head"].role == "vocab-parallel output head"``.
     """
     if plan == "hf":
-        return Plan.of(hf_plan(module))
+        out = Plan.of(hf_plan(module))
+        out.packings = expert_packings(module, out, sizes_of(mesh).get(tp_axis, 1))
+        return out
     if isinstance(plan, str):
         if plan != "auto":
             raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "

@@ -28,7 +28,8 @@ LOGICAL_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("vocab", (TP,)),  # embedding rows, output-head rows (logits stay split)
     ("heads", (TP,)),  # attention heads: q/k/v outputs, the output projection's input
     ("kv_heads", (TP,)),  # key/value heads of grouped-query attention
-    ("mlp", (TP,)),  # the MLP's intermediate features
+    ("mlp", (TP,)),  # the MLP's intermediate features (a routed expert's too, expert-tensor-parallel)
+    ("experts", (TP,)),  # the experts of a mixture-of-experts layer, expert-parallel: over the model axis
     ("kernel", (TP,)),  # a patch embedding's kernel rows (a convolution over non-overlapping patches)
     ("embed", ()),  # the hidden (residual) dimension: whole on the model axis
     ("param_shard", (FSDP,)),  # FSDP: each parameter's first free dimension that the axis divides

@@ -119,6 +119,10 @@ EFFECTS: tuple[Effect, ...] = (
            "model's own slicing", replace("torch.nn.functional.linear", f"{_ENTRY}:linear")),
     Effect("addmm", "torch.addmm", TORCH_XLA, "HF Conv1D (GPT-2) projections: re-laid packed outputs, as linear",
            replace("torch.addmm", f"{_ENTRY}:addmm")),
+    Effect("histc", "torch.histc", TORCH_XLA,
+           "XLA has no histogram of integers (MoE routers and auxiliary losses count expert choices with it): "
+           "comparisons of static shape", replace("torch.histc", f"{_ENTRY}:histc")),
+    Effect("tensor_histc", "torch.Tensor.histc", TORCH_XLA, "as histc", replace("torch.Tensor.histc", f"{_ENTRY}:histc")),
     Effect("getitem", "torch.Tensor.__getitem__", TORCH_XLA,
            "torch_xla raises 'Value out of range' for a slice bound past a dimension (transformers' "
            "sliding-window caches do it) where the CPU clamps: retried clamped",
@@ -138,6 +142,13 @@ EFFECTS: tuple[Effect, ...] = (
            "its view(dtype) bitcast executes the pending graph on every call under torch_xla: a lazy "
            "BitcastConvert on XLA tensors keeps the optimizer step one program",
            replace("torchao.optim.adam._fp32_to_bf16_sr", "xla_tp.optim:lazy_rounding")),
+    Effect("experts_interface", "transformers.integrations.moe.ExpertsInterface.get_interface",
+           "transformers 5.23.0 / torch_xla 2.9.0",
+           "its experts implementations have data-dependent shapes (eager), fail on XLA (grouped_mm: histc on "
+           "integers) or copy the expert weights per token (batched_mm); in a parallelized model an experts layer "
+           "runs in static slots split as its weights are",
+           replace("transformers.integrations.moe.ExpertsInterface.get_interface",
+                   "xla_tp.lowering.routed:experts_interface")),
     Effect("hf_mask_skip", "transformers.masking_utils._ignore_causal_mask_sdpa", "transformers 5.23.0 / torch_xla 2.9.0",
            "it reads the padding mask and the cache's offset on the host to decide whether SDPA may drop the mask; "
            "on XLA each read executes the pending graph, so one forward (a generation step) compiles as three "

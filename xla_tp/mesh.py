@@ -100,8 +100,10 @@ def make_mesh(**axes: Optional[int]) -> xs.Mesh:
     for name, size in axes.items():
         axis = canonical_axis(name)
         if axis not in AXIS_ORDER:
+            experts = "; mixture-of-experts layers split their experts over the model axis" \
+                if name.lower() in ("expert", "experts", "ep") else ""
             raise MeshError(f"make_mesh: unknown axis {name!r}; use one of {AXIS_ORDER} "
-                            f"(aliases {sorted(AXIS_ALIASES)})")
+                            f"(aliases {sorted(AXIS_ALIASES)}){experts}")
         if axis in sizes:
             raise MeshError(f"make_mesh: axis {axis!r} given twice (through {name!r})")
         if size is not None and (not isinstance(size, int) or size < 1):

@@ -40,6 +40,7 @@ class ParamState:
     vocab: Any = None  # ``embedding.VocabSplit`` of a vocabulary-split table
     tie: Any = None  # ``tied.Tie`` when an LM head reads the table too
     group: Any = None  # ``groups.ColumnGroup`` it belongs to
+    experts: Any = None  # ``experts.ExpertSet`` of the MoE layer whose routed weight it is
 
 
 def param_state(t: Any) -> Optional[ParamState]:
@@ -76,6 +77,8 @@ class ModelState:
     sites: set[str] = field(default_factory=set)  # modules that slice a re-laid packed projection
     groups: list[tuple[str, ...]] = field(default_factory=list)  # column groups found (member FQNs)
     tables: list[str] = field(default_factory=list)  # vocabulary-split tables found (module FQNs)
+    experts: list[str] = field(default_factory=list)  # MoE layers found (module FQNs)
+    moe_options: Any = None  # ``experts.MoeOptions`` shared by its MoE layers (capacity, dropless)
     pending: bool = False  # the lowering is found at the next forward (it could not be traced before)
     home: str = ""  # the device type its parameters were placed on ("xla"; the JAX backend keeps torch's CPU tensors)
     exit_hook: Any = None  # the root's last post-hook (``lowering.scope``), registered after the others
@@ -98,6 +101,8 @@ class ModelState:
         else:
             lines.append(f"column groups (one input gradient each): {[list(g) for g in self.groups] or 'none'}")
             lines.append(f"vocabulary tables (per-device gradients): {self.tables or 'none'}")
+            if self.experts:
+                lines.append(f"MoE layers (static slots, {self.moe_options}): {self.experts}")
         if self.relaid:
             lines.append(f"packed projections re-laid device-major: {sorted(self.relaid)}")
         return "\n".join(lines)

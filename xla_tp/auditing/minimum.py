@@ -7,7 +7,8 @@ or Embedding sharded on its contraction dimension emits Partial, one sharded on 
 features emits Shard(-1). With ``backward=True`` each forward step gets its conjugate
 (all-gather <-> reduce-scatter, all-reduce -> none), each distinct input of a colwise layer that
 needs a gradient gets one all-reduce (Megatron's one per group: q, k and v reading one input share it;
-a module whose split output comes from a bias alone contracts nothing), and each parameter gradient one all-reduce over the data axis.
+a module whose split output comes from a bias alone contracts nothing; an MoE experts layer's input
+likewise), and each parameter gradient one all-reduce over the data axis.
 
 Example::
 
@@ -158,7 +159,8 @@ def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
             chain = ml.outputs[i] if i < len(ml.outputs) else ()
             count.chain(out, chain or ((Replicate(),) if isinstance(natural, Partial) else ()),
                         natural if i == 0 else None, f"{call.fqn} output {i}")
-        if backward and isinstance(natural, Shard) and isinstance(getattr(mod, "weight", None), torch.Tensor):
+        if backward and (ml.input_grad or isinstance(natural, Shard) and isinstance(getattr(mod, "weight", None),
+                                                                                   torch.Tensor)):
             x = call.args[0] if call.args else None
             seen = grad_reduced | count.gathered
             if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in seen:

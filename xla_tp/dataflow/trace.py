@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_map
@@ -29,6 +29,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import PlanError
 from .graph import Graph, Node, Value
 from .inputs import MadeUpInputError, synthesize
+from .routing import batched_experts
+
 
 def op_name(func: Any) -> str:
     """Short name of a torch function.
@@ -61,8 +63,8 @@ class _Recorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
         name = op_name(func)
+        out = _call(func, name, args, kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
         tensors_in = [t for t in flat_in if isinstance(t, torch.Tensor)]
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
@@ -87,6 +89,15 @@ class _Recorder(TorchFunctionMode):
         node.outputs = tuple(outs)
         self.graph.nodes.append(node)
         return out
+
+
+def _call(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``; a histogram of integers (MoE routers count expert choices so; fake
+    tensors, like the CPU, count floats only) as one of floats."""
+    first = args[0] if args else None
+    if name == "histc" and isinstance(first, torch.Tensor) and not first.is_floating_point():
+        return func(first.float(), *args[1:], **kwargs).to(first.dtype)
+    return func(*args, **kwargs)
 
 
 def _shape_only(name: str) -> bool:
@@ -129,12 +140,19 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
     with _own_hooks_only(model):
         handles = _scope_hooks(model, fqns, scope)
         try:
-            with fake, contextlib.ExitStack() as stack:
+            with fake, batched_experts(model), contextlib.ExitStack() as stack:
                 for mode in (*modes, recorder):
                     stack.enter_context(mode)
                 out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
         except PlanError:
             raise
+        except (DynamicOutputShapeException, DataDependentOutputException) as e:  # what example inputs cannot fix
+            raise (MadeUpInputError if made_up else PlanError)(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
+                            f"layout: {e.func} in {_last_module(graph)} needs the tensors' values (a shape from "
+                            f"torch.where/nonzero, a number from .tolist()/.item(): experts chosen one by one, "
+                            f"tokens counted per expert); pass a plan instead of 'auto', or hold the experts in "
+                            f"[experts, ...] weights indexed by the router's top-k ids, as transformers' MoE models "
+                            f"do") from e
         except Exception as e:  # the model's own error, surfaced with what to do
             error = MadeUpInputError if made_up else PlanError
             raise error(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
@@ -145,6 +163,11 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
                 h.remove()
     graph.outputs = [recorder.value_of(t) for t in tree_flatten(_plain(out))[0] if isinstance(t, torch.Tensor)]
     return graph
+
+
+def _last_module(graph: Graph) -> str:
+    """The module of the last call recorded (where a trace stopped)."""
+    return graph.nodes[-1].module if graph.nodes and graph.nodes[-1].module else "the model's own forward"
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:

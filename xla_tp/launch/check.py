@@ -14,11 +14,13 @@ Example::
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch_xla
 from torch import nn
+
+import xla_tp
 
 StepLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -35,6 +37,17 @@ def one_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         torch_xla.sync()   # one program for everything, not one per .cpu() read
     return {"logits": [logits.detach()], "loss": [loss.detach()], "grads": grads,
             "params": [p.detach() for p in model.parameters()]}
+
+
+def parallelizer(plan: Any, mesh: Any, moe: bool = False) -> Callable[[nn.Module], nn.Module]:
+    """``model -> model`` parallelized by ``plan`` on ``mesh``; with ``moe``, its MoE layers dropless (a slot
+    for every routed token: the CPU model's own results, which the check compares with)."""
+    def parallelize(model: nn.Module) -> nn.Module:
+        xla_tp.parallelize_xla(model, plan, mesh=mesh)
+        if moe:
+            xla_tp.set_moe_options(model, dropless=True)
+        return model
+    return parallelize
 
 
 def compare_one_step(reference: nn.Module, parallelize: Callable[[nn.Module], nn.Module],

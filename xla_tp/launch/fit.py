@@ -12,7 +12,10 @@ Per chip, from the plan's per-parameter specs on the mesh (parameters on ``meta`
   - per layer: two norms (fp32 input and normalised value, output: ``2 * h * (8 + a)``),
     rotated q plus k and v repeated to every head plus the attention output (``4 * heads *
     head_dim * a / tp``), softmax probabilities in fp32 and their cast copy (``heads * seq_len *
-    (4 + a) / tp``), the MLP's gate, up, activation and product (``4 * intermediate * a / tp``);
+    (4 + a) / tp``), the MLP's gate, up, activation and product (``4 * intermediate * a / tp``); an MoE
+    layer keeps ``top_k * 1.25`` slots per token (the default capacity factor), each the dispatched
+    token and its expert's gate, up, activation and product (``(hidden + 4 * expert_intermediate) * a /
+    tp``); parameters and optimizer state count every expert, FLOPs per token (MFU) the active ones;
   - with activation checkpointing each layer keeps only its input (``h * a``) and one layer's
     activations are live again during its recomputation;
   - once: the embedding output (``h * a``) and the logits with their fp32 copy and softmax
@@ -46,6 +49,7 @@ from .model import ModelShape
 from .topology import GiB, Topology
 
 HBM_RESERVE = 0.10
+MOE_CAPACITY = 1.25  # slots per routed token of an MoE layer (xla_tp's default capacity factor)
 BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -161,8 +165,10 @@ def activation_bytes(shape: ModelShape, settings: FitSettings, mesh: Mapping[str
     tp = mesh.get("model", 1)
     tokens = settings.batch * settings.seq_len // batch_ways(mesh)
     attn = shape.heads * shape.head_dim
-    layer = (2 * shape.hidden * (8 + a) + 4 * attn * a / tp + shape.heads * settings.seq_len * (4 + a) / tp
-             + 4 * shape.intermediate * a / tp)
+    mlp = 4 * shape.intermediate * a / tp
+    if shape.experts:  # its slots: the dispatched tokens and their gate, up, activation and product
+        mlp = shape.top_k * MOE_CAPACITY * (shape.hidden + 4 * shape.expert_intermediate) * a / tp
+    layer = 2 * shape.hidden * (8 + a) + 4 * attn * a / tp + shape.heads * settings.seq_len * (4 + a) / tp + mlp
     layers = shape.layers * shape.hidden * a + layer if settings.activation_checkpointing else shape.layers * layer
     once = shape.hidden * a + shape.vocab / tp * (a + 8)
     return int(tokens * (layers + once)), tokens

@@ -34,6 +34,9 @@ class ModelShape:
     intermediate: int
     vocab: int
     max_positions: Optional[int]
+    experts: int = 0  # routed experts per MoE layer (0: dense)
+    top_k: int = 0  # experts each token is routed to
+    expert_intermediate: int = 0  # one expert's intermediate size
 
 
 def hf_config(spec: ModelSpec, where: str) -> Any:
@@ -77,7 +80,27 @@ def model_shape(config: Any) -> ModelShape:
         head_dim=getattr(config, "head_dim", None) or hidden // heads,
         intermediate=getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden,
         vocab=config.vocab_size,
-        max_positions=getattr(config, "max_position_embeddings", None))
+        max_positions=getattr(config, "max_position_embeddings", None), **_experts(config))
+
+
+def _experts(config: Any) -> dict[str, int]:
+    """An MoE config's routed experts, top-k and expert width (Mixtral, Qwen3-MoE, OLMoE, DeepSeek names)."""
+    experts = next((n for key in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if isinstance(n := getattr(config, key, None), int) and n > 1), 0)
+    if not experts:
+        return {}
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return {"experts": experts, "top_k": int(getattr(config, "num_experts_per_tok", 1) or 1),
+            "expert_intermediate": int(inter)}
+
+
+def active_parameters(model: nn.Module, shape: ModelShape) -> int:
+    """Parameters a token computes with: routed expert weights (``[E, ...]``) count ``top_k / E``."""
+    total = sum(p.numel() for p in model.parameters())
+    if not shape.experts:
+        return total
+    routed = sum(p.numel() for p in model.parameters() if p.dim() >= 3 and p.shape[0] == shape.experts)
+    return total - routed + routed * shape.top_k // shape.experts
 
 
 def build_model(config: Any, task: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32,

@@ -87,5 +87,6 @@ def format_metrics(m: dict[str, Any], short: bool = False) -> str:
     if short:
         return "  ".join(parts)
     head = f"step {m['step']:>{len(str(m['steps']))}}/{m['steps']}" if "steps" in m else f"step {m['step']}"
-    line = "  ".join([head, parts[0], f"lr {m['lr']:.1e}", *parts[1:], f"compiles {m['compiles']}"])
+    moe = [f"MoE dropped {m['moe_dropped']:.1%}"] if "moe_dropped" in m else []
+    line = "  ".join([head, parts[0], f"lr {m['lr']:.1e}", *parts[1:], *moe, f"compiles {m['compiles']}"])
     return line + ("  (includes compiling the step)" if m.get("first") else "")

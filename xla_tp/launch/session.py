@@ -25,11 +25,11 @@ import xla_tp
 
 from ..axes import AXIS_ORDER
 from ..dataflow.graph import Graph
-from .check import compare_one_step
+from .check import compare_one_step, parallelizer
 from .checkpoints import Checkpoints
 from .data import Batches, check_data
 from .fit import BYTES, FitReport, FitSettings, estimate, human, suggest
-from .model import ModelShape, build_model, hf_config, model_shape
+from .model import ModelShape, active_parameters, build_model, hf_config, model_shape
 from .plans import PlanInput, PlannedSpecs, plan_input, plan_specs
 from .progress import Reporter
 from .recipe import PRECISIONS, Recipe
@@ -68,10 +68,11 @@ class Session:
         meta = build_model(self.config, r.model.task, device="meta", dtype=self.dtype)
         planned = plan_specs(meta, self.plan, self.mesh)
         n_params = sum(p.numel() for p in meta.parameters())
+        active = active_parameters(meta, self.shape)
         self.say(f"xla-tp launch {r.name}: {t.name} ({t.chips} chips, {t.hosts} host(s)), mesh "
                  f"{_axes(self.axes)}, process {self.process_index} of {xr.process_count()}")
         self.say(f"model: {type(meta).__name__} from {type(self.config).__name__}, {n_params / 1e6:,.1f} M "
-                 f"parameters on meta, {r.precision}; plan {r.plan if isinstance(r.plan, str) else 'inline'} "
+                 f"parameters{f' ({active / 1e6:,.1f} M active per token)' if active != n_params else ''} on meta, {r.precision}; plan {r.plan if isinstance(r.plan, str) else 'inline'} "
                  f"({planned.source}); global batch {r.batch} x {r.seq_len} tokens\n")
         settings = FitSettings(r.precision, r.optimizer.name, r.optimizer.momentum, r.batch, r.seq_len,
                                r.activation_checkpointing)
@@ -134,8 +135,10 @@ class Session:
 
     def _check(self, model, batches: Batches, loss_fn) -> bool:
         inputs, targets = batches.get(0)
-        errors = compare_one_step(model, lambda m: xla_tp.parallelize_xla(m, self.plan, mesh=self.mesh),
-                                  inputs, targets, lambda x: to_device(x, self.mesh), loss_fn)
+        if self.shape.experts:
+            self.say("check: MoE layers dropless (a slot for every routed token, as the CPU model computes)")
+        errors = compare_one_step(model, parallelizer(self.plan, self.mesh, moe=bool(self.shape.experts)), inputs,
+                                  targets, lambda x: to_device(x, self.mesh), loss_fn)
         for what, err in errors.items():
             self.say(f"check: max |{what} - CPU| = {err:.2e}")
         worst = max(errors.values())

@@ -7,7 +7,8 @@ and a metrics record is logged: loss, learning rate, tokens/s over the interval,
 the slice's peak bf16 FLOP/s (FLOPs per token ``6 * N + 12 * layers * heads * head_dim *
 seq_len``, N the parameters that multiply: the input embedding is a lookup, unless tied), and the
 number of XLA compilations so far (flat after the first two steps: a growing count means
-recompilation). Ctrl-C or SIGTERM stops after the current step: the stop is recorded and the
+recompilation); for an MoE model also the share of routed assignments its layers dropped
+(``moe_dropped``: past a full expert's slots). Ctrl-C or SIGTERM stops after the current step: the stop is recorded and the
 run exits with status 130. Example::
 
     loop = Loop(model, optimizer, schedule, batches, mesh, recipe, reporter, flops_per_token, peak)
@@ -29,9 +30,10 @@ import torch_xla.distributed.spmd as xs
 from torch import nn
 
 from ..axes import batch_axes, spec_entry
+from ..lowering.routed import moe_report
 from .checkpoints import Checkpoints
 from .data import IGNORE, Batches
-from .model import ModelShape
+from .model import ModelShape, active_parameters
 from .progress import Reporter
 from .recipe import OptimizerSpec, Recipe
 
@@ -60,24 +62,38 @@ def lr_factor(spec: OptimizerSpec, steps: int, step: int) -> float:
 
 
 def causal_or_masked_loss(task: str):
-    """``loss_fn(model, inputs, targets) -> (logits, loss)``: fp32 cross-entropy on the model's logits."""
+    """``loss_fn(model, inputs, targets) -> (logits, loss)``: fp32 cross-entropy on the model's logits, plus an
+    MoE model's router load-balancing loss (``aux_loss`` x ``config.router_aux_loss_coef``) where it has one."""
     kwargs = {"use_cache": False} if task == "causal-lm" else {}
 
     def loss_fn(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor):
-        logits = model(input_ids=inputs, **kwargs).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
-        return logits, loss
+        config = getattr(model, "config", None)
+        routed = {"output_router_logits": True} if getattr(config, "output_router_logits", None) is not None else {}
+        out = model(input_ids=inputs, **kwargs, **routed)
+        loss = F.cross_entropy(out.logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        if getattr(out, "aux_loss", None) is not None:
+            loss = loss + config.router_aux_loss_coef * out.aux_loss
+        return out.logits, loss
     return loss_fn
 
 
 def flops_per_token(model: nn.Module, shape: ModelShape, seq_len: int) -> int:
-    """Training FLOPs per token: ``6 * N + 12 * layers * heads * head_dim * seq_len``."""
-    n = sum(p.numel() for p in model.parameters())
+    """Training FLOPs per token: ``6 * N + 12 * layers * heads * head_dim * seq_len`` (``N``: the parameters a
+    token computes with; an MoE model's routed experts count ``top_k / E``)."""
+    n = active_parameters(model, shape)
     emb = model.get_input_embeddings().weight
     out = model.get_output_embeddings()
     if out is None or out.weight is not emb:
         n -= emb.numel()
     return 6 * n + 12 * shape.layers * shape.heads * shape.head_dim * seq_len
+
+
+def moe_dropped(model: nn.Module) -> dict[str, float]:
+    """``{"moe_dropped": fraction}``: the routed assignments the last step's MoE layers dropped (past a full
+    expert's slots); ``{}`` for a model without MoE layers."""
+    layers = moe_report(model).values()
+    routed = sum(layer["routed"] for layer in layers)
+    return {"moe_dropped": sum(layer["dropped"] for layer in layers) / routed} if routed else {}
 
 
 def batch_spec(mesh: xs.Mesh) -> tuple:
@@ -180,4 +196,4 @@ class Loop:
         mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / self.peak_flops
         return {"step": step, "steps": self.recipe.steps, "loss": loss, "lr": lr,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": round(elapsed, 3),
-                "compiles": int(compiles[0]) if compiles else 0}
+                "compiles": int(compiles[0]) if compiles else 0, **moe_dropped(self.model)}

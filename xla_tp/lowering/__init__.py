@@ -4,7 +4,8 @@
 where ``entry``'s rewrites act, and the packed-output mode around the modules that slice a re-laid
 packed projection), and what the model's dataflow says about it (``find``): column groups with one
 fused input gradient (``groups``) and vocabulary-parallel embeddings with per-device weight gradients,
-reduced once with a tied LM head's (``embedding``, ``tied``). ``find`` reads a forward of the model
+reduced once with a tied LM head's (``embedding``, ``tied``), and mixture-of-experts layers run in
+static slots split as their weights are (``routed``, ``experts``). ``find`` reads a forward of the model
 traced on fake tensors: the planner's, or one on a synthesised input; a model whose forward cannot be
 traced without its real arguments is found at its first call (``state.pending``), from a trace of
 that call that leaves the arguments untouched. Example::
@@ -28,6 +29,7 @@ from . import scope
 from .attention import use_flash_attention
 from .embedding import install_embedding, uninstall_embeddings
 from .groups import install_group, uninstall_groups
+from .routed import install_experts, uninstall_experts
 from .sites import batch_replicas, find_groups, packed_sites, vocab_tables
 from .tied import install_tie, tied_heads
 
@@ -76,6 +78,8 @@ def find_at_call(root: nn.Module, state: ModelState, args: tuple, kwargs: dict, 
     graph = traced(root) or _traced_call(root, args, kwargs)
     if graph is not None:
         find(root, state, graph, embeddings)
+    else:  # no column groups or tables; grouped experts come from the layout alone
+        state.experts = install_experts(root, state, None, layout_of(root))
     state.pending = False  # found, or not to be found: the plain program, one reduction per projection
 
 
@@ -101,6 +105,7 @@ def find(root: nn.Module, state: ModelState, graph: Graph, embeddings: bool = Tr
     groups = find_groups(root, layout, state.tp, graph)
     for members in groups:
         install_group([modules[fqn] for fqn in members], state.tp)
+    state.experts = install_experts(root, state, graph, layout)
     state.groups, state.tables, state.pending = [tuple(g) for g in groups], [fqn for fqn, _, _ in tables], False
 
 
@@ -108,8 +113,9 @@ def uninstall(root: nn.Module) -> None:
     """Take the groups, tables and ties found for ``root`` (or any parallelized module in it) off."""
     uninstall_groups(root)
     uninstall_embeddings(root)
+    uninstall_experts(root)
     for _, _, state in states_under(root):
-        state.groups, state.tables = [], []
+        state.groups, state.tables, state.experts = [], [], []
 
 
 __all__ = ["enter", "find", "find_at_call", "install", "packed_sites", "traced", "uninstall", "use_flash_attention"]

@@ -11,6 +11,8 @@ cost of a Python call:
 - ``embedding``: a vocabulary-split table's per-device weight gradient (``embedding``, ``tied``);
 - ``linear``, ``addmm``: column groups with one input gradient (``groups``), tied LM heads
   (``tied``), and re-laid packed projections' outputs tagged for the model's own slicing (``mode``);
+- ``histc``: XLA has no histogram of integers (routers and MoE auxiliary losses count expert choices
+  with it): comparisons of static shape (``slots.histogram``);
 - ``getitem``: torch_xla 2.9 raises ``Value out of range`` for a slice bound past a dimension
   (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do), where the CPU
   clamps: the replacement retries clamped;
@@ -33,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..state import param_state
-from . import attention, copies, embedding as vocab, packed, scope, tied
+from . import attention, copies, embedding as vocab, packed, scope, slots, tied
 from .mode import active
 
 
@@ -114,6 +116,19 @@ def _mha(*args: Any, **kwargs: Any) -> Any:
 
 def _layer_norm(x: Any, *args: Any, **kwargs: Any) -> Any:
     return spelled_layer_norm(x, *args, **kwargs) if _is_xla(x) else NotImplemented
+
+
+def _histc(x: Any, bins: int = 100, min: float = 0, max: float = 0, **kwargs: Any) -> Any:
+    return slots.histogram(x, bins, min, max) if _is_xla(x) and not kwargs else NotImplemented
+
+
+def histc(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Inside a parallelized model, its unsharded reference (the audit's) included: it is not a layout."""
+    @functools.wraps(original)
+    def static_histc(*args: Any, **kwargs: Any) -> Any:
+        out = _histc(*args, **kwargs) if scope.inside() else NotImplemented
+        return original(*args, **kwargs) if out is NotImplemented else out
+    return static_histc
 
 
 def sdpa(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -135,9 +135,9 @@ def install_root(root: nn.Module, state: ModelState,
     """The pre-hook of ``root`` (see the module docstring): call it before xla_tp adds any other hook
     to ``root``, and ``install_exit`` after. The handles go to ``state``."""
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if depth() == 0 and state.home and not torch.compiler.is_compiling():
+        _state.depth = depth() + 1  # the exit hook, called even when the forward raises, takes it back
+        if _state.depth == 1 and state.home and not torch.compiler.is_compiling():
             _check_on_device(module, state.home)
-        _state.depth = depth() + 1
         if _state.depth == 1:
             _state.current, _state.inference = state, leave_inference()
             if state.pending and first is not None:

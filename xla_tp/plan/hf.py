@@ -38,6 +38,10 @@ parameter (a Linear's ``out_features``, an MoE ``[E, in, out]`` tensor's ``in``)
 - Gradient styles (``replicated_with_grad_allreduce``, ``moe_identity_expert``, ``mla_kv_a_proj``)
   fix partial gradients or double counting of eager local compute; a global program has neither.
 - ``grouped_gemm`` never rewrites ``module.num_experts``: the program still sees every expert.
+- MoE experts (``[E, 2I, H]`` under ``packed_colwise``, ``[E, H, I]`` under ``rowwise``, or the expert
+  dim 0 under ``grouped_gemm``) run as xla_tp's experts lowering does for that layout
+  (expert-tensor-parallel, expert-parallel); the packed one is re-laid as HF's strided shard lays it
+  (``expert_packings``).
 
 Example:
 
@@ -55,6 +59,8 @@ from torch.distributed.tensor.placement_types import Partial, Placement, Replica
 
 from ..errors import PlanError
 from .layout import Chain, ModuleLayout, Spec
+from .match import match_keys
+from .packing import Packing
 
 ParamRule = Callable[[str, int, str], Spec]  # (parameter name, ndim, tp axis) -> spec
 
@@ -154,13 +160,31 @@ def lower_hf_style(name: str, fqn: str, module: nn.Module, key: str, tp_axis: st
     return out
 
 
+def expert_packings(model: nn.Module, plan: Mapping[str, Any], tp: int) -> dict[str, Packing]:
+    """``packed_colwise`` on a routed experts weight (``[E, 2I, H]``, gate and up packed): HF shards each
+    half (a strided shard), which is this re-layout, device-major, so each device holds its slice of
+    both: parameter FQN -> ``Packing``. (A 2-D packed projection keeps the even split above.)
+
+    >>> from transformers import MixtralConfig, MixtralForCausalLM
+    >>> moe = MixtralForCausalLM(MixtralConfig(hidden_size=16, intermediate_size=8, num_hidden_layers=1,
+    ...                          num_attention_heads=2, num_key_value_heads=2, vocab_size=32, num_local_experts=4))
+    >>> expert_packings(moe, hf_plan(moe), 2)["model.layers.0.mlp.experts.gate_up_proj"].blocks
+    ((0, 8), (8, 8))
+    """
+    params = dict(model.named_parameters())
+    found, _ = match_keys([k for k, v in plan.items() if v == "packed_colwise"], list(params))
+    half = {name: params[name].shape[1] // 2 for name in found if params[name].dim() == 3}
+    return {name: Packing(1, ((0, n), (n, n)), tp) for name, n in half.items() if n % tp == 0}
+
+
 def hf_plan(model: nn.Module) -> dict[str, str]:
     """The model's full HF tensor-parallel plan: FQN pattern -> style string.
 
     Merges, later entries winning: ``config.base_model_tp_plan`` (keys relative to the base model,
     prefixed with ``base_model_prefix`` when ``model`` wraps one), each child's ``_tp_plan``
-    (prefixed with the child's name), then the model's own ``_tp_plan`` (e.g. ``lm_head``).
-    Example:
+    (prefixed with the child's name), then the model's own ``_tp_plan`` (e.g. ``lm_head``). Keys that
+    name no module or parameter of ``model`` are left out, as HF leaves them unused: a plan covers its
+    family's variants (Qwen3-MoE's dense MLP, absent when every layer is MoE). Example:
 
     >>> from transformers import LlamaConfig, LlamaForCausalLM
     >>> plan = hf_plan(LlamaForCausalLM(LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
@@ -177,7 +201,9 @@ def hf_plan(model: nn.Module) -> dict[str, str]:
         _merge(plan, getattr(child, "_tp_plan", None), name)
     _merge(plan, getattr(type(model), "_tp_plan", None), "")
     _merge(plan, getattr(model, "_tp_plan", None), "")
-    return plan
+    names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
+    _, unused = match_keys(plan, names)
+    return {k: v for k, v in plan.items() if k not in unused}
 
 
 def _merge(plan: dict[str, str], extra: Optional[Mapping[str, Any]], prefix: str) -> None:

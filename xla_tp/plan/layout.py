@@ -14,7 +14,7 @@ Example (what ``ColwiseParallel()`` on ``layers.0.wq`` lowers to):
 
 >>> ModuleLayout(fqn="layers.0.wq", source="layers.*.wq", style="ColwiseParallel()",
 ...              params={"weight": ("model", None)}, inputs=((Replicate(),),), outputs=((Shard(-1),),))
-ModuleLayout(fqn='layers.0.wq', source='layers.*.wq', style='ColwiseParallel()', params={'weight': ('model', None)}, inputs=((Replicate(),),), kwarg_inputs={}, outputs=((Shard(dim=-1),),), natural_output=None)
+ModuleLayout(fqn='layers.0.wq', source='layers.*.wq', style='ColwiseParallel()', params={'weight': ('model', None)}, inputs=((Replicate(),),), kwarg_inputs={}, outputs=((Shard(dim=-1),),), natural_output=None, input_grad=False)
 """
 from __future__ import annotations
 
@@ -44,6 +44,8 @@ class ModuleLayout:
     outputs: tuple[Chain, ...] = ()
     natural_output: Optional[Placement] = None  # what the module's own math emits over the TP axis:
     # Partial() when it contracts a sharded dimension (row-parallel), Shard(-1) when column-parallel
+    input_grad: bool = False  # its own math splits a whole input and contracts it back (an MoE experts
+    # layer): the input's gradient is one all-reduce
 
 
 @dataclass

@@ -52,6 +52,7 @@ class ShardParams(Style):
     outputs: tuple[Chain, ...] = ()
     kwarg_inputs: Mapping[str, Chain] = field(default_factory=dict)
     natural_output: Optional[Placement] = None  # Partial() for a row-parallel module (see ModuleLayout)
+    input_grad: bool = False  # an MoE experts layer's (see ModuleLayout)
 
     def lower(self, fqn: str, module: nn.Module, key: str, tp_axis: str) -> ModuleLayout:
         own = dict(module.named_parameters(recurse=True))
@@ -62,4 +63,4 @@ class ShardParams(Style):
         params = {n: tuple(tp_axis if a == TP else a for a in spec) for n, spec in self.params.items()}
         return ModuleLayout(fqn=fqn, source=key, style=repr(self), params=params, inputs=self.inputs,
                             kwarg_inputs=dict(self.kwarg_inputs), outputs=self.outputs,
-                            natural_output=self.natural_output)
+                            natural_output=self.natural_output, input_grad=self.input_grad)

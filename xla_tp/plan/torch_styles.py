@@ -17,7 +17,9 @@ PrepareModuleOutput          -                                    out: output_la
 PrepareModuleInputOutput     -                                    both
 ===========================  ===================================  ==============================
 
-``use_local_output`` is accepted and has no effect: it chooses between a DTensor and its local
+Other subclasses of ``ParallelStyle`` (torchtitan's ``NoParallel`` and MoE styles, your own) are
+lowered by a registration (``registered``). ``use_local_output`` and ``use_local_input`` are
+accepted and have no effect: they choose between a DTensor and its local
 shard, and under SPMD a module's output is always the plain global tensor (the compiler keeps
 the shards), so there is no local tensor to hand back.
 """
@@ -31,6 +33,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..errors import PlanError
 from .layout import ModuleLayout, chain
+from .registered import registered
 
 
 def lower_torch_style(style: ParallelStyle, fqn: str, module: nn.Module, key: str,
@@ -51,9 +54,15 @@ def lower_torch_style(style: ParallelStyle, fqn: str, module: nn.Module, key: st
         _lower_prepare_input(style, out)
     elif isinstance(style, PrepareModuleOutput):
         _lower_prepare_output(style, out)
+    elif registered(style) is not None:
+        lowered = registered(style)(style, module).lower(fqn, module, key, tp_axis)
+        lowered.style = repr(style)
+        return lowered
     else:
-        raise PlanError(f"plan key {key!r}: style {type(style).__name__} is not supported by xla_tp; "
-                        f"use ColwiseParallel, RowwiseParallel, SequenceParallel or PrepareModule*")
+        raise PlanError(f"plan key {key!r}: style {type(style).__name__} is not supported by xla_tp; use "
+                        f"ColwiseParallel, RowwiseParallel, SequenceParallel or PrepareModule*, or say what it means "
+                        f"under SPMD: xla_tp.register_style({type(style).__name__}, lambda style, module: "
+                        f"ShardParams(...))")
     return out
 
 

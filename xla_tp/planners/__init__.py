@@ -25,11 +25,13 @@ from torch import nn
 
 from ..axes import canonical_axis, sizes_of
 from ..dataflow.graph import Graph
+from ..dataflow.routing import find_experts
 from ..dataflow.trace import trace
 from ..errors import PlanError
 from .alternatives import Pick
 from .plan import Plan, build_plan
-from .roles import decide
+from .experts import assign as assign_experts
+from .roles import Roles, decide
 
 PaddingCheck = Callable[..., str]  # why the model cannot run padded ("" if it can): ``lowering.padding``
 
@@ -49,7 +51,7 @@ def axis_size(mesh: Any, tp_axis: str) -> int:
 def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
              example_inputs: Optional[Sequence[Any]] = None,
              example_kwargs: Optional[Mapping[str, Any]] = None, strict: bool = False,
-             pick: Optional[Pick] = None, check: Optional[PaddingCheck] = None,
+             pick: Optional[Pick] = None, check: Optional[PaddingCheck] = None, experts: Optional[str] = None,
              graph: Optional[Graph] = None) -> Plan:
     """The plan ``"auto"`` would apply to ``model`` on ``mesh`` (see the module docstring).
 
@@ -63,6 +65,8 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     ``pick(choice)`` may take another of a block's alternatives than the cheapest (``choice.alternatives``).
     ``check(model, packings, graph, example_inputs, example_kwargs)`` says why the model cannot run with
     zero heads added (``lowering.padding``; ``xla_tp.plan_for`` passes it): without it none are added.
+    ``experts`` picks the layout of mixture-of-experts layers (``"expert-parallel"``,
+    ``"expert-tensor-parallel"``, ``"replicated"``) instead of the cheapest (``planners.experts``).
     ``graph``: this model's trace on these inputs, already made (``plan.graph`` of its plan on another mesh:
     the trace does not depend on the mesh, and an 80-layer model takes seconds to trace).
     Example: ``plan_for(LlamaForCausalLM(cfg), mesh={"data": 2, "model": 4})``.
@@ -71,14 +75,19 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
     graph = graph if graph is not None else trace(model, example_inputs, example_kwargs)
+    found = find_experts(graph)
     on_meta = any(p.is_meta for p in model.parameters())
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
-    plan = build_plan(model, graph, decide(graph, tp, meta or ("" if check else "no check of the padded model was "
-                                                                "given"), pick, copies=not on_meta))
+
+    def roles(padding: str) -> Roles:
+        out = decide(graph, tp, padding, pick, copies=not on_meta, routed=frozenset(found.nodes))
+        assign_experts(out, found, tp, experts)
+        return out
+
+    plan = build_plan(model, graph, roles(meta or ("" if check else "no check of the padded model was given")))
     problem = check(model, plan.packings, graph, example_inputs, example_kwargs) if check else ""
     if problem:  # zero heads were cheapest but the model does not run with them: the next best
-        plan = build_plan(model, graph, decide(graph, tp, f"the model does not run with them ({problem})", pick,
-                                               copies=not on_meta))
+        plan = build_plan(model, graph, roles(f"the model does not run with them ({problem})"))
     plan.mesh_sizes = sizes_of(mesh)
     if strict:
         _require_optimum(model, plan)

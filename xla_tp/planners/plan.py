@@ -106,7 +106,7 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     """``natural``: what the module's own output is where the trace saw it used (a tied weight's
     embedding module emits partial sums, its head module split logits); else from its parameters."""
     kinds = {r.kind for r in params.values()}
-    kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN) if k in kinds)
+    kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN, Role.EXPERTS) if k in kinds)
     if natural is None:
         natural = "partial" if any(r.natural == "partial" for r in params.values()) else "shard"
     if kind in (Role.VOCAB, Role.HEAD):
@@ -115,7 +115,7 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     # compute part of the head's backward whole (measured with JAX's partitioner)
     outputs = ((Shard(-1),),) if kind == Role.HEAD else ()
     return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text,
-                        Partial() if natural == "partial" else Shard(-1), outputs)
+                        Partial() if natural == "partial" else Shard(-1), outputs, input_grad=kind == Role.EXPERTS)
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:

@@ -50,13 +50,15 @@ class Role(str, Enum):
     ROW = "row"  # it contracts split features back into the residual stream: one all-reduce
     VOCAB = "vocab"  # an embedding looked up with the input ids: rows split
     HEAD = "head"  # an output head: vocab rows split, logits stay split
+    EXPERTS = "experts"  # a routed experts weight ``[E, ...]``: split by experts or by their features
     REPLICATED = "replicated"
 
     @property
     def text(self) -> str:
         """``Role.HEAD.text == "vocab-parallel output head"``."""
         return {"column": "column-parallel", "row": "row-parallel", "vocab": "vocab-parallel embedding",
-                "head": "vocab-parallel output head", "replicated": "replicated"}[self.value]
+                "head": "vocab-parallel output head", "experts": "routed experts",
+                "replicated": "replicated"}[self.value]
 
 
 @dataclass
@@ -99,10 +101,12 @@ class Roles:
         self.params[weight.name] = role
 
 
-def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None, copies: bool = True) -> Roles:
+def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None, copies: bool = True,
+           routed: frozenset[int] = frozenset()) -> Roles:
     """See the module docstring. ``padding``: why no block may add zero heads (``alternatives``);
     ``pick``: which alternative a block off the optimum takes (default: the cheapest); ``copies``: whether
-    a packed block may be copied to every device (``Region.copied``; not for a model on meta)."""
+    a packed block may be copied to every device (``Region.copied``; not for a model on meta); ``routed``:
+    nodes that multiply tokens by routed expert weights (not attention: ``planners.experts``)."""
     roles = Roles()
     projs = projections(graph)
     regions = [explore(graph, p) for p in projs]
@@ -115,7 +119,7 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
                      f"{describe(next(iter(r.reductions.values())))} reduces all its features"
     taken: dict[int, str] = {}  # projection node index -> role kind
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
-    covered: set[int] = set()
+    covered: set[int] = set(routed)
     for group in _groups(regions):
         _apply_group(graph, group, tp, roles, taken, reasons, covered, padding, pick)
     _mha(graph, tp, roles, covered)

@@ -28,6 +28,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as torch_pytree
 
 from ...constraints import Constrainer, register_hooks
+from ...dataflow.routing import batched_experts
 from ...plan.layout import Layout
 from ...state import PARAM_ATTR, param_state
 from .runtime import import_torchax, torchax_tracing
@@ -150,7 +151,7 @@ class Program:
                 setattr(view, PARAM_ATTR, found[name])
         handles = register_hooks(self.module, self.layout, self.constrainer) if constrained else []
         try:
-            with torchax.default_env(), torchax_tracing():
+            with torchax.default_env(), torchax_tracing(), batched_experts(self.module):  # static shapes under jit
                 bound = _Bound(self.module, fn)
                 return functional_call(bound, {f"module.{k}": v for k, v in state.items()}, args, kwargs)
         finally:

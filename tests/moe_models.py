@@ -1,0 +1,28 @@
+"""Tiny mixture-of-experts models of four transformers families (hidden 64, 8 experts, top-2; one layer,
+DeepSeek-V3 two: a dense one, then an MoE one)."""
+import transformers
+
+COMMON = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+              router_aux_loss_coef=0.01)
+
+
+def configs(experts: int = 8) -> dict:
+    return {
+        "mixtral": transformers.MixtralConfig(intermediate_size=32, num_local_experts=experts, num_experts_per_tok=2,
+                                              **COMMON),
+        "qwen3_moe": transformers.Qwen3MoeConfig(intermediate_size=128, moe_intermediate_size=32, num_experts=experts,
+                                                 num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                                 head_dim=16, **COMMON),
+        "olmoe": transformers.OlmoeConfig(intermediate_size=32, num_experts=experts, num_experts_per_tok=2, **COMMON),
+        "deepseek_v3": transformers.DeepseekV3Config(
+            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=experts, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, **{**COMMON, "num_hidden_layers": 2}),
+    }
+
+
+def build(name: str, experts: int = 8):
+    """The CPU model, computing with transformers' eager experts (the reference)."""
+    model = transformers.AutoModelForCausalLM.from_config(configs(experts)[name])
+    model.set_experts_implementation("eager")
+    return model

@@ -1,0 +1,55 @@
+"""torchtitan 0.2.0's DeepSeek-V3 parallelized by its own ``apply_non_moe_tp`` and ``apply_moe_ep_tp``, with
+only ``parallelize_module`` swapped for xla_tp's (the model, the plan dicts and torchtitan's style classes
+reproduced in ``titan_moe``): it trains like the CPU model, its grouped experts in static slots."""
+import copy
+from unittest import mock
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+
+import xla_tp
+from xla_tp.auditing.params import local_numel, sharding_string
+
+from .helpers import grads, max_err
+from .titan_moe import DeepSeekV3Model, apply_moe_ep_tp, apply_non_moe_tp, int_histc
+
+
+def _loss(model, ids):
+    logits = model(ids)
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+@pytest.fixture(scope="module")
+def reference():
+    torch.manual_seed(0)
+    cpu = DeepSeekV3Model()
+    ids = torch.randint(0, 128, (4, 16))
+    with mock.patch("torch.histc", int_histc(torch.histc)):
+        _loss(cpu, ids).backward()
+        logits = cpu(ids).detach()
+    return cpu, ids, logits
+
+
+@pytest.mark.parametrize("experts", ["TensorParallel", "ExpertParallel"])
+def test_torchtitan_deepseek_v3_with_its_own_plans_trains_like_cpu(reference, experts):
+    cpu, ids, logits = reference
+    model = copy.deepcopy(cpu)
+    model.zero_grad(set_to_none=True)
+    world = xla_tp.init_device_mesh("xla", (2, 4), mesh_dim_names=("dp", "tp"))
+    apply_non_moe_tp(model, world["tp"], loss_parallel=True)
+    ep = world["tp"] if experts == "ExpertParallel" else None  # EP borrowing the TP ranks, as torchtitan does
+    apply_moe_ep_tp(model, world["tp"], ep, None, etp_enabled=False)
+    xla_tp.set_moe_options(model, dropless=True)
+    xids = ids.to(torch_xla.device())
+    assert max_err(model(xids), logits) < 1e-4
+    layout = {"TensorParallel": "expert-tensor-parallel", "ExpertParallel": "expert-parallel"}[experts]
+    assert xla_tp.moe_report(model)["layers.1.moe.experts"] == {
+        "layout": layout, "capacity_factor": 1.25, "dropless": True, "routed": 4 * 16 * 2, "dropped": 0}
+    w1 = model.layers["1"].moe.experts.w1
+    assert local_numel(tuple(w1.shape), sharding_string(w1)) * 4 == w1.numel()
+    _loss(model, xids).backward()
+    got = grads(model)
+    assert max(max_err(got[n], p.grad) for n, p in cpu.named_parameters()) < 1e-4
+    assert sharding_string(w1.grad) == sharding_string(w1)

@@ -1,0 +1,134 @@
+"""Mixture-of-experts layers on XLA: static slots, split over the model axis, one reduction of the tokens.
+
+``run(experts, hidden, ids, weights, gate)`` computes a routed expert MLP (``gate_up [E, 2I, H]``,
+``down [E, H, I]``) for ``hidden [T, H]`` whose router chose ``ids [T, k]`` with ``weights [T, k]``:
+tokens go to fixed-size slots (``slots``), each slot's token is gathered, every expert runs on its
+slots as one batched contraction, and each slot's output is added back to its token.
+
+The computation carries an explicit chunk dimension ``t`` of the model axis's size, split over that
+axis, so every step is local to a device and the one cross-device step is the final sum over ``t``:
+GSPMD compiles it to one all-reduce of ``[tokens, hidden]`` per layer (and one in the backward,
+where the tokens' gradient is summed over ``t``), a dense MLP's minimum. What ``t`` splits is the
+layout (``ExpertSet.layout``):
+
+- ``expert-parallel``: chunk ``t`` holds experts ``t*E/N .. (t+1)*E/N`` whole and their slots;
+- ``expert-tensor-parallel``: chunk ``t`` holds every expert's slice ``t`` of the intermediate
+  dimension (``gate_up`` re-laid device-major, so gate and up rows of a slice sit together) and
+  every slot;
+- ``replicated``: one chunk, everything on every device.
+
+Both split layouts move the same bytes; expert-parallel holds ``1/N`` of the slots per device, so
+its dispatched activations take ``1/N`` of the memory. Tokens are routed within each batch shard
+(``groups``): routing never crosses the data axes. ``MoeOptions`` sets the capacity factor and
+``dropless``; each forward's routed and dropped assignments are kept (``ExpertSet.last``). Example::
+
+    es = ExpertSet("expert-parallel", chunks=4, axis="model", sharder=XlaSharder(mesh), batch=("data",), groups=2)
+    y = run(es, hidden, ids, weights, gate=lambda g, u: F.silu(g) * u, gate_up=w13, down=w2)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from . import slots as slotting
+
+Gate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LAYOUTS = ("expert-parallel", "expert-tensor-parallel", "replicated")
+
+
+@dataclass
+class MoeOptions:
+    """Slots per expert: ``capacity_factor`` x its even share of a group's assignments, or with
+    ``dropless`` every token of the group (the model's own results, exactly; ``E / k`` times the
+    expert FLOPs of an even routing)."""
+
+    capacity_factor: float = 1.25
+    dropless: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}; 1.25 is the usual value")
+
+
+@dataclass
+class ExpertSet:
+    """How one experts module runs (``ParamState.experts`` of its weights)."""
+
+    layout: str
+    chunks: int  # model-axis devices the layout splits over (1: replicated)
+    axis: Optional[str] = None  # the model axis
+    sharder: Any = None  # an ``XlaSharder`` (None: no constraints, e.g. on the CPU)
+    batch: tuple[str, ...] = ()  # mesh axes of the batch: one routing group per shard
+    groups: int = 1
+    relaid: bool = False  # gate_up re-laid device-major (expert-tensor-parallel)
+    weights: tuple = ()  # (gate_up name, stored [E, in, out], down name, stored [E, in, out]) on its module
+    options: MoeOptions = field(default_factory=MoeOptions)
+    last: dict[str, Any] = field(default_factory=dict)  # the last forward's "routed" (int) and "dropped" (tensor)
+
+    def constrain(self, x: torch.Tensor, chunked: bool = True) -> torch.Tensor:
+        """``x`` (``[t, G, ...]``, or ``[G, ...]`` unless ``chunked``) split over the model axis on ``t``
+        and over the batch axes on ``G``: routing tables stay whole on the model axis."""
+        if self.sharder is None:
+            return x
+        batch = (self.batch if len(self.batch) > 1 else self.batch[0]) if self.batch else None
+        head = (self.axis if self.chunks > 1 else None,) if chunked else ()
+        return self.sharder.constrain(x, (*head, batch, *[None] * (x.dim() - 1 - len(head))))
+
+
+def _chunked_weights(es: ExpertSet, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gate_up`` (``[E, 2I, H]`` packed, or ``[E, 2, I, H]`` stacked) as ``[t, e, 2, i, H]`` and ``down``
+    as ``[t, e, H, i]`` for the layout's chunks."""
+    experts, hidden, c = gate_up.shape[0], gate_up.shape[-1], es.chunks
+    inter = gate_up.shape[2] if gate_up.dim() == 4 else gate_up.shape[1] // 2
+    if es.layout == "expert-tensor-parallel":
+        up = (gate_up.reshape(experts, c, 2, inter // c, hidden).transpose(0, 1) if es.relaid and gate_up.dim() == 3
+              else gate_up.reshape(experts, 2, c, inter // c, hidden).permute(2, 0, 1, 3, 4))
+        return up, down.reshape(experts, hidden, c, inter // c).permute(2, 0, 1, 3)
+    return (gate_up.reshape(c, experts // c, 2, inter, hidden), down.reshape(c, experts // c, hidden, inter))
+
+
+def _chunked_slots(es: ExpertSet, table: torch.Tensor) -> torch.Tensor:
+    """A ``[G, E*C]`` slot table as ``[t, G, slots of chunk t]``."""
+    if es.layout == "expert-tensor-parallel":
+        return table.unsqueeze(0).expand(es.chunks, *table.shape)
+    groups, n = table.shape
+    return table.view(groups, es.chunks, n // es.chunks).transpose(0, 1)
+
+
+def even(es: ExpertSet, tokens: int, top_k: int, experts: int) -> tuple[ExpertSet, int]:
+    """The unsharded reference of ``es`` (the audit's, lowering suspended) and its capacity: an even
+    routing, whose expert FLOPs are the model's active-expert FLOPs."""
+    groups = es.groups if tokens % es.groups == 0 else 1
+    return ExpertSet("replicated", 1, groups=groups, weights=es.weights), max(1, math.ceil(tokens // groups * top_k / experts))
+
+
+def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Gate,
+        gate_up: torch.Tensor, down: torch.Tensor, capacity: Optional[int] = None) -> torch.Tensor:
+    """The routed experts' output ``[T, H]`` (see the module docstring); ``capacity`` overrides the
+    options' slots per expert."""
+    tokens, width = hidden.shape
+    experts, k = gate_up.shape[0], ids.shape[-1]
+    groups = es.groups if tokens % es.groups == 0 else 1
+    per_group = tokens // groups
+    if capacity is None:
+        capacity = slotting.capacity(per_group, k, experts, es.options.capacity_factor, es.options.dropless)
+    grouped = (es.constrain(t.reshape(groups, per_group, k), chunked=False) for t in (ids, weights))
+    s = slotting.route(*grouped, experts, capacity)
+    es.last = {"routed": tokens * k, "dropped": s.dropped}
+    up, dn = _chunked_weights(es, gate_up, down)
+    c, local = up.shape[0], up.shape[1]
+    x = F.pad(hidden.reshape(groups, per_group, width), (0, 0, 0, 1))  # the zero row empty slots read
+    x = es.constrain(x.unsqueeze(0).expand(c, *x.shape))
+    token = _chunked_slots(es, es.constrain(s.token, chunked=False))
+    where = token.unsqueeze(-1).expand(*token.shape, width)
+    dispatched = torch.gather(x, 2, where).view(c, groups, local, capacity, width)
+    h = torch.einsum("tgech,tejih->tgecji", dispatched, up.to(dispatched.dtype))
+    h = gate(h[..., 0, :], h[..., 1, :])
+    y = torch.einsum("tgeci,tehi->tgech", h, dn.to(h.dtype)).reshape(c, groups, local * capacity, width)
+    y = y * _chunked_slots(es, es.constrain(s.weight, chunked=False)).unsqueeze(-1).to(y.dtype)
+    out = es.constrain(torch.zeros(c, groups, per_group + 1, width, dtype=y.dtype, device=y.device).scatter_add(2, where, y))
+    return out.sum(0)[:, :per_group].reshape(tokens, width)

@@ -1,0 +1,190 @@
+"""Routed experts of a parallelized model: found, marked, and run through the static-slot lowering.
+
+``install_experts(root, state, graph, layout)`` reads the MoE layers of ``graph``
+(``dataflow.routing``) and, from the layout their weights were given, how each runs
+(``experts.ExpertSet``: expert-parallel when the expert dimension is split over the model axis,
+expert-tensor-parallel when the features are, replicated otherwise); the set goes on the weights'
+``ParamState.experts``. Whoever wrote the plan ("auto", ``plan="hf"``'s ``grouped_gemm`` or
+``packed_colwise``/``rowwise``, a rule list), the layer runs as its weights are laid out.
+
+Transformers' experts layers dispatch through its experts interface (``config.experts_implementation``);
+``experts_interface`` (installed by ``compat``) makes that dispatch hand a marked layer to
+``hf_forward`` inside a parallelized forward and its backward, on XLA tensors, whatever the config
+names; a layer it cannot run (biases, no gate, a norm after the experts) keeps the model's choice,
+or ``batched_mm`` where that is ``grouped_mm``, which fails on XLA (``histc`` on integers). While the
+lowering is suspended (the audit's unsharded reference) a marked layer computes an even routing's
+expert FLOPs: the active-expert FLOPs of the model. ``set_moe_options`` sets the capacity and
+``moe_report`` reads the last forward's dropped assignments. Example::
+
+    xla_tp.set_moe_options(model, capacity_factor=1.0)        # or dropless=True: the model's own results
+    model(ids); xla_tp.moe_report(model)   # {'model.layers.0.mlp.experts': {'routed': 64, 'dropped': 3, ...}}
+"""
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any, Callable, Optional
+
+import torch
+import torch_xla.distributed.spmd as xs
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..backends.annotate import XlaSharder
+from ..dataflow.graph import Graph
+from ..dataflow.routing import find_experts
+from ..errors import PlanError
+from ..plan.layout import Layout, uses_axis
+from ..state import ModelState, ensure_param_state, param_state, states_under
+from . import scope
+from .experts import ExpertSet, MoeOptions, even, run
+from .grouped import GroupedForward, install_grouped
+
+FALLBACK = "batched_mm"
+_sets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # MoE layer module -> its ExpertSet
+
+
+def _layout_of(spec: tuple, axis: str, expert_dim: int = 0) -> str:
+    """The layout of an experts weight laid out as ``spec`` (its experts on ``expert_dim``)."""
+    if axis in (spec[expert_dim] if isinstance(spec[expert_dim], tuple) else (spec[expert_dim],)):
+        return "expert-parallel"
+    return "expert-tensor-parallel" if uses_axis(spec, axis) else "replicated"
+
+
+def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], layout: Layout) -> list[str]:
+    """Mark every MoE layer of ``root`` found in ``graph`` (None: not traced) and every grouped-experts
+    module its layout names (``grouped``); their module FQNs. Only on torch_xla: the JAX backend runs
+    transformers' batched_mm experts (``dataflow.routing.batched_experts``)."""
+    if not isinstance(state.mesh, xs.Mesh):
+        return []
+    sizes = dict(zip(state.mesh.axis_names, (int(s) for s in state.mesh.mesh_shape)))
+    batch = tuple(a for a in layout.batch_axes if sizes.get(a, 1) > 1)
+    groups = math.prod(sizes[a] for a in batch)
+    options = state.moe_options or MoeOptions()
+    state.moe_options = options
+    marked = []
+    for layer in find_experts(graph).layers if graph is not None else ():
+        if len(layer.weights) != 2:
+            continue
+        up, down = layer.weights
+        spec = layout.params.get(up.param.name, (None,) * len(up.param.shape))
+        kind = _layout_of(spec, layout.tp_axis, up.expert_dim)
+        weight = root.get_parameter(up.param.name)
+        names = (up.param.name.rpartition(".")[2], up.contracted == 1, down.param.name.rpartition(".")[2],
+                 down.contracted == 1)
+        es = ExpertSet(kind, state.tp if kind != "replicated" else 1, layout.tp_axis, XlaSharder(state.mesh), batch,
+                       groups, relaid=getattr(param_state(weight), "packing", None) is not None, options=options,
+                       weights=names)
+        for name in (up.param.name, down.param.name):
+            ensure_param_state(root.get_parameter(name)).experts = es
+        _sets[root.get_submodule(layer.module)] = es
+        marked.append(layer.module)
+    return marked + install_grouped(root, state, layout, _layout_of, _sets)
+
+
+def uninstall_experts(model: nn.Module) -> None:
+    for p in model.parameters():
+        ps = param_state(p)
+        if ps is not None:
+            ps.experts = None
+    for module in model.modules():
+        _sets.pop(module, None)
+        if isinstance(module.__dict__.get("forward"), GroupedForward):
+            del module.forward
+
+
+def expert_set(module: nn.Module) -> Optional[ExpertSet]:
+    """The set of a marked MoE layer (also while ``functional_call`` swaps its weights, as the audit does)."""
+    return _sets.get(module)
+
+
+def _hf_supported(module: nn.Module) -> bool:
+    return (getattr(module, "has_gate", True) and not getattr(module, "has_bias", False)
+            and not getattr(module, "has_post_expert_norm", False) and getattr(module, "is_concatenated", True))
+
+
+def hf_forward(module: nn.Module, es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor,
+               weights: torch.Tensor) -> torch.Tensor:
+    """A transformers experts layer's forward (``self, hidden_states, top_k_index, top_k_weights``)."""
+    up_name, up_t, down_name, down_t = es.weights
+    up, down = getattr(module, up_name), getattr(module, down_name)
+    up, down = up.transpose(1, 2) if up_t else up, down.transpose(1, 2) if down_t else down
+
+    def gate(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        return module._apply_gate(torch.cat([g, u], -1))
+
+    if scope.lowering():
+        return run(es, hidden, ids, weights, gate, up, down).to(hidden.dtype)
+    plain, capacity = even(es, hidden.shape[0], ids.shape[-1], up.shape[0])  # the audit's unsharded reference
+    return run(plain, hidden, ids, weights, gate, up, down, capacity=capacity).to(hidden.dtype)
+
+
+def experts_interface(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``ExpertsInterface.get_interface``: a marked layer, inside a parallelized model, runs ``hf_forward``."""
+    @functools.wraps(original)
+    def get_interface(self: Any, experts_implementation: Optional[str], default: Callable[..., Any]) -> Callable[..., Any]:
+        chosen = original(self, experts_implementation, default)
+        fallback = self.get(FALLBACK, chosen) if experts_implementation == "grouped_mm" else chosen
+        return _dispatch(chosen, fallback)
+    return get_interface
+
+
+@functools.lru_cache(maxsize=64)
+def _dispatch(chosen: Callable[..., Any], fallback: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(chosen)
+    def forward(module: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not (scope.inside() and hidden.device.type == "xla"):
+            return chosen(module, hidden, *args, **kwargs)
+        es = expert_set(module)
+        if es is None or kwargs or len(args) != 2 or not _hf_supported(module):
+            _warn_unlowered(module, es)
+            return fallback(module, hidden, *args, **kwargs)
+        return hf_forward(module, es, hidden, *args)
+    return forward
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(kind: str) -> None:
+    warnings.warn(f"xla_tp: an experts layer ({kind}) runs transformers' {FALLBACK} implementation, which gathers "
+                  f"a copy of the expert weights per routed token: xla_tp's static-slot lowering covers gated, "
+                  f"bias-free experts", stacklevel=4)
+
+
+def _warn_unlowered(module: nn.Module, es: Optional[ExpertSet]) -> None:
+    _warn_once(type(module).__name__ if es is not None else f"{type(module).__name__}, not planned as experts")
+
+
+def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
+                    dropless: Optional[bool] = None) -> MoeOptions:
+    """Set the slots per expert of every parallelized MoE layer of ``model``: ``capacity_factor``
+    (default 1.25) x the even share of a batch shard's assignments, or ``dropless=True`` (slots for
+    the worst case: results equal to the model's own implementation). Returns the options. Before the
+    first forward of a model whose layers are found then, they are kept for those layers."""
+    found = [state for _, _, state in states_under(model)]
+    if not found:
+        raise PlanError(f"{type(model).__name__} is not parallelized; parallelize it first (parallelize_xla) and "
+                        f"pass the model it returned")
+    for state in found:  # MoE layers found at the first forward take these too
+        options = state.moe_options = state.moe_options or MoeOptions()
+        if capacity_factor is not None:
+            options.capacity_factor = capacity_factor
+            options.__post_init__()
+        if dropless is not None:
+            options.dropless = bool(dropless)
+    return found[0].moe_options
+
+
+def moe_report(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Per MoE layer of ``model``: its layout, capacity options, and the last forward's routed and
+    dropped assignments (reading ``dropped`` runs the pending program if it has not run)."""
+    out = {}
+    for fqn, module in model.named_modules():
+        es = expert_set(module)
+        if es is None:
+            continue
+        dropped = es.last.get("dropped")
+        out[fqn] = {"layout": es.layout, "capacity_factor": es.options.capacity_factor,
+                    "dropless": es.options.dropless, "routed": es.last.get("routed", 0),
+                    "dropped": int(dropped) if dropped is not None else 0}
+    return out

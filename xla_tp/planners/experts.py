@@ -1,0 +1,103 @@
+"""Routed experts in "auto": each MoE layer's weights split by experts or by their features, priced.
+
+For each layer ``dataflow.routing`` found (a router's top-k selecting slices of ``[E, ...]`` weights),
+the two layouts of the experts lowering (``xla_tp.lowering.experts``) are priced with the audit's
+terms, and the cheapest that the model axis (``N`` devices) divides is taken:
+
+================================  ========================================  ==============================
+layout                            per device                                 communication per layer
+================================  ========================================  ==============================
+expert-parallel (``E % N == 0``)  ``E/N`` whole experts, their slots          one all-reduce of ``[tokens,
+                                  (``1/N`` of the dispatched tokens)          hidden]`` (and one backward)
+expert-tensor-parallel            every expert's ``1/N`` of the intermediate  the same
+(``I % N == 0``)                  features, every slot (``N`` x the tokens)
+replicated                        everything                                  none
+================================  ========================================  ==============================
+
+Both split layouts hold ``1/N`` of the expert weights and compute ``1/N`` of the expert FLOPs;
+expert-parallel is cheaper in activation memory, so it wins where ``N`` divides the experts. A
+weight packing gate and up (``[E, 2I, H]``: its output is twice what the second weight contracts)
+is re-laid device-major under expert-tensor-parallel. The router stays replicated (its scores pick
+experts on every device); shared experts and dense layers are planned like any MLP. ``plan_for(...,
+experts="expert-tensor-parallel")`` asks for a layout instead of the cheapest. Example::
+
+    found = find_experts(graph)
+    assign(roles, found, tp=4)       # roles.params["model.layers.0.mlp.experts.down_proj"].axes == ("experts", None, None)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from ..dataflow.routing import ExpertsFound, ExpertWeight
+from ..errors import PlanError
+from ..plan.packing import Packing
+from .roles import ParamRole, Roles
+
+EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL, REPLICATED = "expert-parallel", "expert-tensor-parallel", "replicated"
+LAYOUTS = (EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL, REPLICATED)
+
+
+def choose(experts: int, inter: int, tp: int, wanted: Optional[str] = None) -> tuple[str, str]:
+    """The layout for ``experts`` experts of ``inter`` intermediate features on ``tp`` devices, and why:
+    the cheapest, or ``wanted`` where ``tp`` divides what it splits.
+
+    >>> choose(8, 32, 4)[0], choose(6, 32, 4)[0], choose(6, 30, 4)[0], choose(8, 32, 4, "expert-tensor-parallel")[0]
+    ('expert-parallel', 'expert-tensor-parallel', 'replicated', 'expert-tensor-parallel')
+    """
+    cost = "one all-reduce of [tokens, hidden] per layer (one more in the backward)"
+    if wanted == REPLICATED:
+        return REPLICATED, "replicated, as asked (experts=...): computed whole on every device"
+    if wanted == EXPERT_TENSOR_PARALLEL and tp > 1 and inter % tp == 0:
+        return EXPERT_TENSOR_PARALLEL, (f"expert-tensor-parallel, as asked (experts=...): each expert's {inter} "
+                                        f"intermediate features split {tp} ways, every token slot on every device; "
+                                        f"{cost}")
+    if tp > 1 and experts % tp == 0:
+        return EXPERT_PARALLEL, (f"expert-parallel: {experts} experts split {tp} ways ({experts // tp} per device, "
+                                 f"with their token slots); {cost}; cheaper than expert-tensor-parallel, which "
+                                 f"holds every slot on every device")
+    if tp > 1 and inter % tp == 0:
+        return EXPERT_TENSOR_PARALLEL, (f"expert-tensor-parallel: each expert's {inter} intermediate features split "
+                                        f"{tp} ways, every token slot on every device; {cost} ({experts} experts do "
+                                        f"not split {tp} ways)")
+    return REPLICATED, (f"replicated: neither the {experts} experts nor their {inter} intermediate features split "
+                        f"{tp} ways; computed whole on every device (no communication)")
+
+
+def assign(roles: Roles, found: ExpertsFound, tp: int, layout: Optional[str] = None) -> None:
+    """Set the roles of every routed layer's weights and its router (see the module docstring);
+    ``layout`` (one of ``LAYOUTS``) instead of the cheapest, where the model axis divides what it splits."""
+    if layout is not None and layout not in LAYOUTS:
+        raise PlanError(f"experts={layout!r} is not an experts layout; pass one of {', '.join(LAYOUTS)} (or None: "
+                        f"the cheapest)")
+    for layer in found.layers:
+        if len(layer.weights) != 2:
+            continue  # not a two-projection expert MLP: its weights keep the reasons the trace gives
+        up, down = layer.weights
+        experts, inter = up.param.shape[up.expert_dim], down.param.shape[down.contracted]
+        layout_, why = choose(experts, inter, tp, layout)
+        packing = _gate_up(up, inter, tp) if layout_ == EXPERT_TENSOR_PARALLEL else None
+        for weight, feature in ((up, up.kept), (down, down.contracted)):
+            roles.set(weight.param, ParamRole("experts", _axes(weight, feature, layout_), why, "partial",
+                                              packing if weight is up else None), layer.module)
+        if layer.router is not None:
+            roles.set(layer.router, ParamRole("replicated", (None,) * len(layer.router.shape),
+                                              f"router of {layer.module}: its top-{layer.top_k} choice picks experts "
+                                              f"on every device, so it is computed whole"))
+
+
+def _axes(weight: ExpertWeight, feature: int, layout: str) -> tuple[Optional[str], ...]:
+    axes: list[Optional[str]] = [None] * len(weight.param.shape)
+    if layout == EXPERT_PARALLEL:
+        axes[weight.expert_dim] = "experts"
+    elif layout == EXPERT_TENSOR_PARALLEL:
+        axes[feature] = "mlp"
+    return tuple(axes)
+
+
+def _gate_up(up: ExpertWeight, inter: int, tp: int) -> Optional[Packing]:
+    """Gate and up packed in one weight (its output twice the features the second weight contracts):
+    re-laid so each device's slice holds its part of both."""
+    if up.param.shape[up.kept] != 2 * inter:
+        return None
+    return Packing(up.kept, ((0, inter), (inter, inter)), tp)
+
