@@ -27,6 +27,7 @@ import torch_xla.debug.metrics as met
 from torch import nn
 
 from ..errors import GenerationError
+from ..lowering.routed import dropless
 from .buckets import lengths
 from .cache import cache_bytes
 from .choose import Sampling, choose
@@ -139,7 +140,7 @@ def run(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *,
     if streamer is not None:
         streamer.put(input_ids.cpu())
     first = None
-    with torch.no_grad():
+    with torch.no_grad(), dropless(model):  # MoE layers: a slot for every routed token, the model's own tokens
         decoding = Decoding(decoder, batch, cache_length, sampling)
         pending = decoding.prefill()
         torch_xla.sync()

@@ -21,10 +21,11 @@ expert FLOPs: the active-expert FLOPs of the model. ``set_moe_options`` sets the
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import warnings
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch_xla.distributed.spmd as xs
@@ -173,6 +174,24 @@ def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
         if dropless is not None:
             options.dropless = bool(dropless)
     return found[0].moe_options
+
+
+@contextlib.contextmanager
+def dropless(model: nn.Module) -> Iterator[None]:
+    """Every MoE layer of ``model`` dropless inside the block (the model's own results, as ``generate``
+    needs them), its options as they were after. A model with no parallelized state is left alone."""
+    states = [s for _, _, s in states_under(model)]
+    for s in states:  # layers found at the first forward take these too
+        s.moe_options = s.moe_options or MoeOptions()
+    options = [s.moe_options for s in states]
+    before = [o.dropless for o in options]
+    for o in options:
+        o.dropless = True
+    try:
+        yield
+    finally:
+        for o, was in zip(options, before):
+            o.dropless = was
 
 
 def moe_report(model: nn.Module) -> dict[str, dict[str, Any]]:
