@@ -16,6 +16,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 import torch_xla
+import torch_xla.core.xla_model as xm
 from torch import nn
 
 from ..auditing import AuditReport
@@ -35,6 +36,9 @@ def audit_decode(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
         decoding = Decoding(decoder, batch, cache_length, sampling)
         first = decoding.prefill()
         torch_xla.sync()
+        # the prefill runs asynchronously, its cache donated next: reading the step's HLO while it runs can
+        # crash the process (a segmentation fault, now and then), so wait for it
+        xm.wait_device_ops()
         following = decoding.step(first)
         text = capture_partitioned_hlo([following, decoding.positions, decoding.slots, *decoding.cache_tensors()])
     mesh: Any = decoder.placement.mesh
