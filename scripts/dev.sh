@@ -29,7 +29,7 @@ case "$job" in
   # two workers (XLA_TP_TEST_WORKERS), each with 8 emulated devices; a test file runs whole on one worker, so
   # its module fixtures (a compiled model, a fresh process's results) are built once
   test)  "$venv/bin/ruff" check --quiet xla_tp tests bench &&
-         exec "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadfile tests "$@" ;;
+         exec "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadfile --durations=15 tests "$@" ;;
   bench) exec "$py" -m bench "$@" ;;
   *) echo "unknown job '$job': use demo, test or bench" >&2; exit 2 ;;
 esac
