@@ -29,8 +29,8 @@ user.update({"model.layers.*.self_attn.o_proj": RowwiseParallel(), "model.layers
 batches = [torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(i)) for i in range(4)]
 # GPT-2: packed q/k/v re-laid device-major (the packed-output mode runs in its attention), and a tied
 # table (eager reads it per batch replica; compiled, it does not). Qwen3: per-head q/k norms. BERT: an
-# encoder with a tied MLM head. titan_llama: a plain torch model.
-families = {name: registry.build(name) for name in ("gpt2", "qwen3", "bert", "titan_llama")}
+# encoder with a tied MLM head. titan_llama: a plain torch model. One layer each (the Llama above has two).
+families = {name: registry.build(name, layers=1) for name in ("gpt2", "qwen3", "bert", "titan_llama")}
 
 def step(model, opt, ids):
     opt.zero_grad()

@@ -141,10 +141,11 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*LAUNCH, *args], cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=600)
 
 
-def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_was(tmp_path):
+def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_was(tmp_path, capsys):
     """Checkpoints every 3 steps. Launched again without --resume: refused in one line, every file as it
-    was. The step-9 checkpoint truncated: --resume says it skipped it and why, and continues from step 6
-    with the same batches, optimizer state and learning rate (steps 7-9 repeat the first run's losses).
+    was (run in this process: the refusal comes before the XLA runtime starts). The step-9 checkpoint
+    truncated: --resume says it skipped it and why, and continues from step 6 with the same batches,
+    optimizer state and learning rate (steps 7-9 repeat the first run's losses).
     --overwrite then starts over, the earlier checkpoints moved aside intact."""
     ckpt = tmp_path / "ckpt"
     common = ["tiny-llama-cpu", "--no-audit", "steps=9", "log_interval=1", f"checkpoint.dir={ckpt}",
@@ -154,10 +155,12 @@ def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_wa
     saved = sorted(p.name for p in ckpt.iterdir())
     assert saved == ["step_00000003", "step_00000006", "step_00000009"], saved
     before = _files(ckpt)
-    again = _launch(*common, "--run-dir", str(tmp_path / "b"))
-    assert again.returncode == 2 and again.stderr.count("\n") == 1, again.stderr[-3000:]
-    assert "already holds the checkpoints of an earlier run (steps 3, 6, 9)" in again.stderr
-    assert "pass --resume" in again.stderr and "--overwrite" in again.stderr
+    capsys.readouterr()
+    status = cli.main(["launch", *common, "--run-dir", str(tmp_path / "b")])
+    again = capsys.readouterr().err
+    assert status == 2 and again.count("\n") == 1, again[-3000:]
+    assert "already holds the checkpoints of an earlier run (steps 3, 6, 9)" in again
+    assert "pass --resume" in again and "--overwrite" in again
     assert _files(ckpt) == before and not (tmp_path / "b").exists()
     shard = ckpt / "step_00000009" / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:100])
