@@ -130,38 +130,14 @@ class ModelState:
         self.constraints, self.implied, self.handles = {}, {}, []
 
 
-class NotCopyable:
-    """A parallelized module's ``__deepcopy__`` and ``__reduce_ex__`` (``copy.deepcopy``, ``pickle``,
-    ``torch.save(model)``): a copy would hold the weights as laid out on the devices (packed projections
-    re-laid device-major, zero heads) without the state that reads them, and compute something else."""
-
-    def __init__(self, module: nn.Module) -> None:
-        self.name = type(module).__name__
-
-    def __call__(self, *args: Any) -> Any:
-        raise PlanError(f"{self.name} is parallelized by xla_tp and cannot be copied or pickled as it is: copy it "
-                        f"before parallelize_xla (then parallelize the copy too), save its state_dict() or an "
-                        f"xla_tp.save_checkpoint (both in the model's own layout), or xla_tp.unparallelize it first")
-
-
-_GUARDS = ("__deepcopy__", "__reduce_ex__")
-
-
 def register(module: nn.Module, state: ModelState, release: Callable[[], None]) -> None:
-    """Make ``state`` the state of ``module``; ``release`` runs when it is dropped or the module dies.
-    Until then the module refuses to be copied (``NotCopyable``)."""
+    """Make ``state`` the state of ``module``; ``release`` runs when it is dropped or the module dies."""
     _states[module] = state
     state.finalizer = weakref.finalize(module, release)
-    guard = NotCopyable(module)
-    for name in _GUARDS:
-        object.__setattr__(module, name, guard)
 
 
 def drop(module: nn.Module) -> Optional[ModelState]:
     """Forget ``module``'s state (its hooks and lease are the caller's to undo); the state, if any."""
-    for name in _GUARDS:
-        if isinstance(module.__dict__.get(name), NotCopyable):
-            del module.__dict__[name]
     state = _states.pop(module, None)
     if state is not None and state.finalizer is not None:
         state.finalizer()

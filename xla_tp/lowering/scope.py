@@ -155,8 +155,27 @@ def install_root(root: nn.Module, state: ModelState,
         context, _state.inference = _state.inference, None
         return return_to_inference(context, output)
 
-    state.handles.append(root.register_forward_pre_hook(enter, with_kwargs=True))
-    state.exit_hook = leave
+    model = type(root).__name__
+    state.handles.append(root.register_forward_pre_hook(_RootHook(enter, model), with_kwargs=True))
+    state.exit_hook = _RootHook(leave, model)
+
+
+class _RootHook:
+    """A hook of the root, which a copy of the model cannot take along: ``copy.deepcopy`` and ``pickle``
+    (``torch.save(model)``) of a parallelized model reach it and stop with the fix. A deep copy would hold
+    the weights laid out for the devices (packed projections re-laid, zero heads) with this model's state
+    running its forward, and compute something else."""
+
+    def __init__(self, hook: Callable[..., Any], model: str) -> None:
+        self.hook, self.model = hook, model
+
+    def __call__(self, *args: Any) -> Any:
+        return self.hook(*args)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise PlanError(f"{self.model} is parallelized by xla_tp and cannot be copied or pickled as it is: copy it "
+                        f"before parallelize_xla (then parallelize the copy too), save its state_dict() or an "
+                        f"xla_tp.save_checkpoint (both in the model's own layout), or xla_tp.unparallelize it first")
 
 
 def install_exit(root: nn.Module, state: ModelState) -> None:
