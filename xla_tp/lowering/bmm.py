@@ -25,17 +25,18 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-_SOURCE = "_xla_tp_heads_source"  # on a [B*H, ...] tensor: the [B, H, ...] tensor it merges
+from .tags import Tag
+
+_SOURCE = Tag("heads_source")  # on a [B*H, ...] tensor: the [B, H, ...] tensor it merges
 
 
 def source(t: Any) -> Optional[torch.Tensor]:
     """The 4-D ``[B, H, ...]`` tensor a merged tensor came from, else None."""
-    return getattr(t, _SOURCE, None) if isinstance(t, torch.Tensor) else None
+    return _SOURCE.of(t)
 
 
 def _tagged(merged: torch.Tensor, four: torch.Tensor) -> torch.Tensor:
-    setattr(merged, _SOURCE, four)
-    return merged
+    return _SOURCE.put(merged, four)
 
 
 def _lift(four: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,9 @@ from typing import Any, Optional
 
 import torch
 
-_KV = "_xla_tp_kv_copies"  # on a copied block as the model sees it: (copies as heads, the head dim)
+from .tags import Tag
+
+_KV = Tag("kv_copies")  # on a copied block as the model sees it: (copies as heads, the head dim)
 _MARK = 97  # a size no other dim has, to find where an index moves the head dim
 
 
@@ -37,12 +39,11 @@ def copied_block(part: torch.Tensor) -> torch.Tensor:
 
 
 def _tag(t: torch.Tensor, heads: torch.Tensor, dim: int) -> torch.Tensor:
-    setattr(t, _KV, (heads, dim))
-    return t
+    return _KV.put(t, (heads, dim))
 
 
 def _kv(t: Any) -> Optional[tuple[torch.Tensor, int]]:
-    return getattr(t, _KV, None) if isinstance(t, torch.Tensor) else None
+    return _KV.of(t)
 
 
 def as_kv_heads(t: torch.Tensor) -> torch.Tensor:

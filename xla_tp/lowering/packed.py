@@ -30,9 +30,10 @@ from torch import nn
 
 from ..plan.packing import Packing
 from ..state import ensure_param_state, param_state
+from .tags import Tag
 from .copies import copied_block
 
-_TAG = "_xla_tp_packed_output"  # on a re-laid projection's output during a forward: its Packing
+_TAG = Tag("packed_output")  # on a re-laid projection's output during a forward: its Packing
 
 
 def permute(t: torch.Tensor, packing: Packing) -> torch.Tensor:
@@ -109,18 +110,13 @@ def packing_of(t: Any) -> Optional[Packing]:
 
 
 def tag(y: torch.Tensor, packing: Packing) -> torch.Tensor:
-    """Mark ``y`` as a re-laid projection's output (features in ``packing``'s device-major order).
-
-    An attribute on the tensor, not a table keyed by ``id(y)``: dynamo (``torch.compile``) traces
-    attribute stores on tensors it creates, but not ``id()`` of them.
-    """
-    setattr(y, _TAG, packing)
-    return y
+    """Mark ``y`` as a re-laid projection's output (features in ``packing``'s device-major order)."""
+    return _TAG.put(y, packing)
 
 
 def tag_of(t: Any) -> Optional[Packing]:
     """The packing ``tag`` marked ``t`` with, else None (any object: cheap enough for every op argument)."""
-    return getattr(t, _TAG, None)
+    return _TAG.of(t)
 
 
 def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:
