@@ -84,11 +84,13 @@ def clamp_slices(index: Any, shape: tuple[int, ...]) -> Any:
     return tuple(out) if isinstance(index, tuple) else out[0]
 
 
-def _lowered(original: Callable[..., Any], lowered: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` that calls ``lowered`` first inside a parallelized forward (NotImplemented: declined)."""
+def _lowered(original: Callable[..., Any], lowered: Callable[..., Any],
+             when: Callable[[], bool] = scope.lowering) -> Callable[..., Any]:
+    """``original`` that calls ``lowered`` first inside a parallelized forward (``when``; NotImplemented:
+    declined)."""
     @functools.wraps(original)
     def replacement(*args: Any, **kwargs: Any) -> Any:
-        if scope.lowering():
+        if when():
             out = lowered(*args, **kwargs)
             if out is not NotImplemented:
                 return out
@@ -124,11 +126,7 @@ def _histc(x: Any, bins: int = 100, min: float = 0, max: float = 0, **kwargs: An
 
 def histc(original: Callable[..., Any]) -> Callable[..., Any]:
     """Inside a parallelized model, its unsharded reference (the audit's) included: it is not a layout."""
-    @functools.wraps(original)
-    def static_histc(*args: Any, **kwargs: Any) -> Any:
-        out = _histc(*args, **kwargs) if scope.inside() else NotImplemented
-        return original(*args, **kwargs) if out is NotImplemented else out
-    return static_histc
+    return _lowered(original, _histc, when=scope.inside)
 
 
 def sdpa(original: Callable[..., Any]) -> Callable[..., Any]:
