@@ -1,7 +1,8 @@
 """The audit of one decode step: what the program ``generate`` runs per new token communicates.
 
-The prefill runs for real (it fills the cache the step reads); the step is traced and compiled, not
-run, and dropped with its cache. A tensor-parallel decoder's minimum is two all-reduces of
+The prefill runs for real (it fills the cache the step reads); the step is traced lazily and compiled,
+not run, and dropped with its cache: one program with the forward ``generate`` replays
+(``captured``) and the choice it runs after, so the collectives of both. A tensor-parallel decoder's minimum is two all-reduces of
 ``[batch, 1, hidden]`` per layer (attention and MLP outputs), one more for a vocabulary-split
 embedding, and one of ``[batch]`` for the greedy choice over vocabulary-split logits (``choose``); no
 all-gather. Top-k and top-p sort the whole vocabulary, which gathers the logits. Example::
@@ -33,7 +34,7 @@ def audit_decode(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
     decoder = decoder_for(model)
     batch, cache_length, _, _ = prepare(decoder, input_ids, attention_mask, max_new_tokens, None, None)
     with torch.no_grad():
-        decoding = Decoding(decoder, batch, cache_length, sampling)
+        decoding = Decoding(decoder, batch, cache_length, sampling, captured=False)
         first = decoding.prefill()
         torch_xla.sync()
         # the prefill runs asynchronously, its cache donated next: reading the step's HLO while it runs can

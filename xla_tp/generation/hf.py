@@ -37,6 +37,8 @@ class PlacedLayer(StaticLayer):
         super().lazy_initialization(key_states, value_states)
         self.place(self.keys)
         self.place(self.values)
+        for t in (self.keys, self.values, self.cumulative_length):  # inputs of the captured step, not constants
+            t.__dict__.pop("_dynamo_static_input_type", None)
 
 
 def _generation_ids(model: PreTrainedModel) -> tuple[list[int], Optional[int]]:
@@ -62,14 +64,13 @@ class HFDecoder:
         if kinds:
             raise GenerationError(f"{name} has {sorted(kinds)} layers; xla_tp.generate caches full and sliding-window "
                                   f"attention layers only")
-        self.model, self.placement = model, placement_of(model)
+        self.model, self.placement = model, placement_of(model, dims=(0, 1))
         self.limit: Optional[int] = getattr(self.config, "max_position_embeddings", None)
         self.eos, self.pad = _generation_ids(model)
         self.last_only = "logits_to_keep" in inspect.signature(model.forward).parameters
 
     def new_cache(self, batch: int, length: int) -> Cache:
-        place = lambda t: self.placement.place(t, batch_dim=0, heads_dim=1)
-        return Cache(layers=[PlacedLayer(length, place) for _ in range(self.config.num_hidden_layers)])
+        return Cache(layers=[PlacedLayer(length, self.placement.place) for _ in range(self.config.num_hidden_layers)])
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,
                cache: Cache) -> torch.Tensor:

@@ -1,14 +1,16 @@
 """``generate``: tensor-parallel decoding that compiles one prefill per prompt bucket and one decode step.
 
 A call validates everything first (the model, the prompts, the settings: ``GenerationError``, nothing
-allocated), then pads the prompts on the left to a bucket (``buckets``, ``prompts``) and runs two
+allocated), then pads the prompts on the left to a bucket (``buckets``, ``prompts``) and runs three
 programs: the prefill, which allocates the KV cache laid out like the key/value heads (``cache``),
-fills it and picks the first token; and one decode step, run once per new token, which feeds the
-last token, writes its keys and values in place (the cache's buffers are donated to the step) and
-picks the next (``choose``: greedy or sampled, on the device). Positions, cache slots and the cache's
-write position are device tensors carried from step to step, never constants in a program, so the
-same decode program serves every step, every prompt and every ``max_new_tokens`` whose cache length
-falls in the same bucket (or, with ``cache_length=``, every call of a batch size). The host reads each step's tokens while the next one runs (``stream``).
+fills it and picks the first token; then, once per new token, the decode step's forward, which feeds
+the last token and writes its keys and values in place (the cache's buffers are donated to it),
+captured by dynamo on the first step and replayed after (``captured``), and the choice of the next
+token (``choose``: greedy or sampled, on the device). Positions, cache slots and the cache's write
+position are device tensors carried from step to step, never constants in a program, so the same
+decode programs serve every step, every prompt and every ``max_new_tokens`` whose cache length falls
+in the same bucket (or, with ``cache_length=``, every call of a batch size). The host reads each
+step's tokens while the next one runs (``stream``).
 Example::
 
     ids = xla_tp.generate(model, input_ids, max_new_tokens=64)          # [B, prompt + new]
@@ -17,9 +19,10 @@ Example::
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch_xla
@@ -30,6 +33,7 @@ from ..errors import GenerationError
 from ..lowering.routed import dropless
 from .buckets import lengths
 from .cache import cache_bytes
+from .captured import captured_logits, step_logits
 from .choose import Sampling, choose
 from .decoders import Decoder, decoder_for
 from .prompts import Batch, left_padded, token_counts
@@ -59,11 +63,14 @@ class Generated:
 
 
 class Decoding:
-    """One generation's device state: the cache, the valid slots, the next tokens' positions and slots."""
+    """One generation's device state: the cache, the valid slots, the next tokens' positions and slots.
+    ``captured=False`` traces the decode step's forward lazily at every step (the audit reads its program)."""
 
-    def __init__(self, decoder: Decoder, batch: Batch, cache_length: int, sampling: Optional[Sampling]) -> None:
+    def __init__(self, decoder: Decoder, batch: Batch, cache_length: int, sampling: Optional[Sampling],
+                 captured: bool = True) -> None:
         device = torch_xla.device()
         self.decoder, self.sampling = decoder, sampling
+        self.step_logits = functools.partial(captured_logits if captured else step_logits, decoder)
         self.cache = decoder.new_cache(batch.ids.shape[0], cache_length)
         self.prompt, self.valid = batch.ids.to(device), batch.valid.to(device)
         self.positions = batch.positions.to(device)
@@ -71,15 +78,15 @@ class Decoding:
 
     def prefill(self) -> torch.Tensor:
         """The first new tokens ``[B]`` (pending: the program runs at the next ``torch_xla.sync()``)."""
-        return self._feed(self.prompt)
+        return self._feed(self.prompt, self.decoder.logits)
 
     def step(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed ``tokens`` ``[B]``; the next ones (pending)."""
-        return self._feed(tokens[:, None])
+        return self._feed(tokens, self.step_logits)
 
-    def _feed(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.decoder.logits(ids, self.positions, self.slots, self.valid, self.cache)
-        # advanced inside this program, so every decode step takes the same shapes
+    def _feed(self, ids: torch.Tensor, logits_of: Callable[..., torch.Tensor]) -> torch.Tensor:
+        logits = logits_of(ids, self.positions, self.slots, self.valid, self.cache)
+        # advanced with the choice, so every decode step takes the same shapes
         self.positions, self.slots = self.positions[:, -1:] + 1, self.slots[-1:] + 1
         return choose(logits, self.sampling)
 

@@ -26,7 +26,7 @@ class ZooDecoder:
             raise GenerationError(f"{type(model).__name__}'s attention ({attention.__module__}.{attention.__qualname__}) "
                                   f"takes no KV cache; xla_tp.generate decodes xla_tp.zoo.llama.Llama, whose "
                                   f"attention does")
-        self.model, self.placement = model, placement_of(model)
+        self.model, self.placement = model, placement_of(model, dims=(0, 2))
         self.limit: Optional[int] = model.args.max_seq_len
         self.eos: list[int] = []
         self.pad: Optional[int] = None
@@ -35,7 +35,7 @@ class ZooDecoder:
         weight = self.model.tok_embeddings.weight
         cache = KVCache.empty(self.model.args, batch, length, dtype=weight.dtype, device=weight.device)
         for t in (*cache.keys, *cache.values):
-            self.placement.place(t, batch_dim=0, heads_dim=2)
+            self.placement.place(t)
         return cache
 
     def logits(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, valid: torch.Tensor,

@@ -25,12 +25,12 @@ import contextlib
 import functools
 import math
 import warnings
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..backends.annotate import XlaSharder
 from ..dataflow.graph import Graph
@@ -43,7 +43,29 @@ from .experts import ExpertSet, MoeOptions, even, run
 from .grouped import GroupedForward, install_grouped
 
 FALLBACK = "batched_mm"
-_sets: WeakIdKeyDictionary = WeakIdKeyDictionary()  # MoE layer module -> its ExpertSet
+class _ExpertSets:
+    """MoE layer module -> its ``ExpertSet``, forgotten when the module is: a dict keyed by ``id``, which
+    dynamo traces (a decode step captured whole looks its layers up; a weak dictionary breaks the graph)."""
+
+    def __init__(self) -> None:
+        self.by_id: dict[int, ExpertSet] = {}
+
+    def __contains__(self, module: nn.Module) -> bool:
+        return id(module) in self.by_id
+
+    def __setitem__(self, module: nn.Module, es: ExpertSet) -> None:
+        if id(module) not in self.by_id:
+            weakref.finalize(module, self.by_id.pop, id(module), None)
+        self.by_id[id(module)] = es
+
+    def get(self, module: nn.Module) -> Optional[ExpertSet]:
+        return self.by_id.get(id(module))
+
+    def pop(self, module: nn.Module) -> None:
+        self.by_id.pop(id(module), None)
+
+
+_sets = _ExpertSets()
 
 
 def _layout_of(spec: tuple, axis: str, expert_dim: int = 0) -> str:
@@ -90,7 +112,7 @@ def uninstall_experts(model: nn.Module) -> None:
         if ps is not None:
             ps.experts = None
     for module in model.modules():
-        _sets.pop(module, None)
+        _sets.pop(module)
         if isinstance(module.__dict__.get("forward"), GroupedForward):
             del module.forward
 
@@ -127,11 +149,14 @@ def experts_interface(original: Callable[..., Any]) -> Callable[..., Any]:
     def get_interface(self: Any, experts_implementation: Optional[str], default: Callable[..., Any]) -> Callable[..., Any]:
         chosen = original(self, experts_implementation, default)
         fallback = self.get(FALLBACK, chosen) if experts_implementation == "grouped_mm" else chosen
-        return _dispatch(chosen, fallback)
+        return _DISPATCH.get((chosen, fallback)) or _DISPATCH.setdefault((chosen, fallback), _dispatch(chosen, fallback))
     return get_interface
 
 
-@functools.lru_cache(maxsize=64)
+# a dict, not functools.lru_cache: dynamo traces the model's lookup of its experts implementation
+_DISPATCH: dict[tuple[Callable[..., Any], Callable[..., Any]], Callable[..., Any]] = {}
+
+
 def _dispatch(chosen: Callable[..., Any], fallback: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(chosen)
     def forward(module: nn.Module, hidden: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -18,7 +18,6 @@ ModuleLayout(fqn='layers.0.wq', source='layers.*.wq', style='ColwiseParallel()',
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -94,7 +93,6 @@ def chain(*placements: Optional[Placement]) -> Chain:
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=4096)
 def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis: str,
                     batch_axes: tuple[str, ...], batch_size: int) -> Spec:
     """The partition spec of an activation of ``shape`` under ``placement`` over ``tp_axis``.
