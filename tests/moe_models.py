@@ -1,5 +1,6 @@
-"""Tiny mixture-of-experts models of four transformers families (hidden 64, 8 experts, top-2; one layer,
-DeepSeek-V3 two: a dense one, then an MoE one)."""
+"""Tiny mixture-of-experts models of five transformers families (hidden 64, 8 experts, top-2; one layer,
+DeepSeek-V3 two: a dense one, then an MoE one; gpt-oss's experts have biases and interleave gate and up)."""
+import torch
 import transformers
 
 COMMON = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
@@ -18,6 +19,11 @@ def configs(experts: int = 8) -> dict:
             intermediate_size=128, moe_intermediate_size=32, n_routed_experts=experts, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, **{**COMMON, "num_hidden_layers": 2}),
+        "gpt_oss": transformers.GptOssConfig(intermediate_size=32, num_local_experts=experts, num_experts_per_tok=2,
+                                             head_dim=16, layer_types=["full_attention"], **COMMON),
+        # sparsemixer: two top-1 choices; it samples while training, so it is compared in eval mode
+        "phimoe": transformers.PhimoeConfig(intermediate_size=32, num_local_experts=experts, num_experts_per_tok=2,
+                                            **COMMON),
     }
 
 
@@ -25,4 +31,8 @@ def build(name: str, experts: int = 8):
     """The CPU model, computing with transformers' eager experts (the reference)."""
     model = transformers.AutoModelForCausalLM.from_config(configs(experts)[name])
     model.set_experts_implementation("eager")
+    with torch.no_grad():  # experts' biases start at zero: make them count
+        for fqn, p in model.named_parameters():
+            if "experts" in fqn and fqn.endswith("_bias"):
+                p.normal_(0, 0.1)
     return model

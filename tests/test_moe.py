@@ -21,7 +21,7 @@ from xla_tp.plan.hf import hf_plan
 from .helpers import grads, max_err
 from .moe_models import build
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 TP = 4
 
 
@@ -100,6 +100,24 @@ def test_every_moe_layer_is_reported_expert_parallel_and_dropless(family):
     for layer in report.values():
         assert layer == {"layout": "expert-parallel", "capacity_factor": 1.25, "dropless": True,
                          "routed": 4 * 16 * 2, "dropped": 0}
+
+
+def test_a_router_of_two_top_1_choices_is_found_and_split_like_top_2(mesh):
+    """PhiMoE's sparsemixer picks an expert with ``max``, masks it, picks another and concatenates the two:
+    the same experts layer as a top-2, planned expert-parallel, with the CPU model's logits (eval: it
+    samples while training)."""
+    torch.manual_seed(0)
+    cpu = build("phimoe").eval()
+    plan = xla_tp.plan_for(cpu, mesh=mesh)
+    assert plan.roles["model.layers.0.mlp.experts.gate_up_proj"].why.startswith("expert-parallel: 8 experts split 4")
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), plan, mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    ids = torch.randint(0, 128, (4, 16))
+    with torch.no_grad():
+        assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
+        report = xla_tp.audit(model, ids.to(torch_xla.device()), mesh=mesh)
+    assert report.count("all-gather") == 0 and report.count("all-reduce") <= 2 * 1 + 2
+    assert report.param_bytes_per_device <= 0.6 * report.param_bytes_total
 
 
 def test_router_replicated_and_explained(mesh):

@@ -70,13 +70,14 @@ def find_experts(graph: Graph) -> ExpertsFound:
     found = ExpertsFound()
     by_module: dict[str, RoutedLayer] = {}
     for weight, sel, index in _selections(graph):
-        topk = _choice(index)
-        use = _contracted(sel, weight, found.nodes) if topk is not None else None
+        choices = _choices(index)
+        use = _contracted(sel, weight, found.nodes) if choices else None
         if use is None:
             continue
         module = sel.producer.module
         if module not in by_module:
-            by_module[module] = RoutedLayer(module, router=_router(topk), top_k=int(topk.arg(1, "k")))
+            top_k = sum(int(c.arg(1, "k")) if c.op == "topk" else 1 for c in choices)
+            by_module[module] = RoutedLayer(module, router=_router(choices[0]), top_k=top_k)
             found.layers.append(by_module[module])
         if all(w.param is not weight for w in by_module[module].weights):
             by_module[module].weights.append(use)
@@ -97,21 +98,29 @@ def _selections(graph: Graph) -> Iterator[tuple[Value, Value, Value]]:
             yield weight, node.outputs[0], index
 
 
-def _choice(index: Value) -> Optional[Node]:
-    """The ``topk`` whose indices ``index`` is computed from, through integer values only (the nearest)."""
-    seen, work = {index.index}, [index]
+# ops whose output (at this position) is the index of a best score: a top-k, or a top-1 (PhiMoE's
+# sparsemixer takes two ``max(dim=-1)`` indices, one after masking the first, and concatenates them)
+_CHOICE_OUTPUT = {"topk": 1, "max": 1, "argmax": 0}
+
+
+def _choices(index: Value) -> list[Node]:
+    """The choices (``_CHOICE_OUTPUT``) whose indices ``index`` is computed from, through integer values
+    only (the nearest on each path; several when their indices are concatenated)."""
+    seen, work, found = {index.index}, [index], []
     while work:
         v = work.pop(0)
         node = v.producer
         if node is None:
             continue
-        if node.op == "topk" and len(node.outputs) > 1 and node.outputs[1] is v:
-            return node
+        out = _CHOICE_OUTPUT.get(node.op)
+        if out is not None and len(node.outputs) > out and node.outputs[out] is v:
+            found.append(node)
+            continue
         for t in node.tensors:
             if t.index not in seen and not t.dtype.is_floating_point:
                 seen.add(t.index)
                 work.append(t)
-    return None
+    return found
 
 
 def _contracted(sel: Value, weight: Value, nodes: set[int]) -> Optional[ExpertWeight]:
@@ -135,9 +144,9 @@ def _contracted(sel: Value, weight: Value, nodes: set[int]) -> Optional[ExpertWe
     return None
 
 
-def _router(topk: Node) -> Optional[Value]:
-    """The parameter of the projection whose scores the top-k reads (through element-wise ops)."""
-    v = topk.tensors[0] if topk.tensors else None
+def _router(choice: Node) -> Optional[Value]:
+    """The parameter of the projection whose scores the choice reads (through element-wise ops)."""
+    v = choice.tensors[0] if choice.tensors else None
     for _ in range(16):
         if v is None or v.producer is None:
             return None

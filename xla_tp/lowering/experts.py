@@ -91,6 +91,18 @@ def _chunked_weights(es: ExpertSet, gate_up: torch.Tensor, down: torch.Tensor) -
     return (gate_up.reshape(c, experts // c, 2, inter, hidden), down.reshape(c, experts // c, hidden, inter))
 
 
+def _chunked_biases(es: ExpertSet, up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The up bias (``[E, 2I]`` packed, or ``[E, 2, I]`` stacked) as ``[t, e, 2, i]`` and the down bias
+    ``[E, H]`` as ``[t, e, H]``: under expert-tensor-parallel every chunk adds a partial down projection,
+    so the down bias goes to chunk 0 only (the sum over ``t`` adds it once)."""
+    experts, hidden, c = up.shape[0], down.shape[-1], es.chunks
+    up = up.reshape(experts, 2, -1)
+    if es.layout == "expert-tensor-parallel":
+        first = (torch.arange(c, device=down.device) == 0).to(down.dtype)
+        return (up.reshape(experts, 2, c, -1).permute(2, 0, 1, 3), first[:, None, None] * down.unsqueeze(0))
+    return up.reshape(c, experts // c, 2, -1), down.reshape(c, experts // c, hidden)
+
+
 def _chunked_slots(es: ExpertSet, table: torch.Tensor) -> torch.Tensor:
     """A ``[G, E*C]`` slot table as ``[t, G, slots of chunk t]``."""
     if es.layout == "expert-tensor-parallel":
@@ -107,9 +119,11 @@ def even(es: ExpertSet, tokens: int, top_k: int, experts: int) -> tuple[ExpertSe
 
 
 def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Gate,
-        gate_up: torch.Tensor, down: torch.Tensor, capacity: Optional[int] = None) -> torch.Tensor:
+        gate_up: torch.Tensor, down: torch.Tensor, capacity: Optional[int] = None,
+        biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """The routed experts' output ``[T, H]`` (see the module docstring); ``capacity`` overrides the
-    options' slots per expert."""
+    options' slots per expert; ``biases``: the up projection's (``[E, 2I]``, or ``[E, 2, I]`` as ``gate_up``
+    is stacked) and the down projection's (``[E, H]``)."""
     tokens, width = hidden.shape
     experts, k = gate_up.shape[0], ids.shape[-1]
     groups = es.groups if tokens % es.groups == 0 else 1
@@ -127,8 +141,14 @@ def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.T
     where = token.unsqueeze(-1).expand(*token.shape, width)
     dispatched = torch.gather(x, 2, where).view(c, groups, local, capacity, width)
     h = torch.einsum("tgech,tejih->tgecji", dispatched, up.to(dispatched.dtype))
+    if biases is not None:
+        up_bias, down_bias = _chunked_biases(es, *biases)
+        h = h + up_bias[:, None, :, None].to(h.dtype)
     h = gate(h[..., 0, :], h[..., 1, :])
-    y = torch.einsum("tgeci,tehi->tgech", h, dn.to(h.dtype)).reshape(c, groups, local * capacity, width)
+    y = torch.einsum("tgeci,tehi->tgech", h, dn.to(h.dtype))
+    if biases is not None:
+        y = y + down_bias[:, None, :, None].to(y.dtype)
+    y = y.reshape(c, groups, local * capacity, width)
     y = y * _chunked_slots(es, es.constrain(s.weight, chunked=False)).unsqueeze(-1).to(y.dtype)
     out = es.constrain(torch.zeros(c, groups, per_group + 1, width, dtype=y.dtype, device=y.device).scatter_add(2, where, y))
     return out.sum(0)[:, :per_group].reshape(tokens, width)

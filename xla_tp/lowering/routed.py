@@ -10,7 +10,7 @@ expert-tensor-parallel when the features are, replicated otherwise); the set goe
 Transformers' experts layers dispatch through its experts interface (``config.experts_implementation``);
 ``experts_interface`` (installed by ``compat``) makes that dispatch hand a marked layer to
 ``hf_forward`` inside a parallelized forward and its backward, on XLA tensors, whatever the config
-names; a layer it cannot run (biases, no gate, a norm after the experts) keeps the model's choice,
+names; a layer it cannot run (no gate, a norm after the experts) keeps the model's choice,
 or ``batched_mm`` where that is ``grouped_mm``, which fails on XLA (``histc`` on integers). While the
 lowering is suspended (the audit's unsharded reference) a marked layer computes an even routing's
 expert FLOPs: the active-expert FLOPs of the model. ``set_moe_options`` sets the capacity and
@@ -123,24 +123,31 @@ def expert_set(module: nn.Module) -> Optional[ExpertSet]:
 
 
 def _hf_supported(module: nn.Module) -> bool:
-    return (getattr(module, "has_gate", True) and not getattr(module, "has_bias", False)
-            and not getattr(module, "has_post_expert_norm", False) and getattr(module, "is_concatenated", True))
+    return getattr(module, "has_gate", True) and not getattr(module, "has_post_expert_norm", False)
 
 
 def hf_forward(module: nn.Module, es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
-    """A transformers experts layer's forward (``self, hidden_states, top_k_index, top_k_weights``)."""
+    """A transformers experts layer's forward (``self, hidden_states, top_k_index, top_k_weights``): gate
+    and up rows concatenated (``[g..., u...]``) or interleaved (``is_concatenated=False``, gpt-oss's
+    ``[g0, u0, g1, u1, ...]``), with or without biases (``has_bias``)."""
     up_name, up_t, down_name, down_t = es.weights
     up, down = getattr(module, up_name), getattr(module, down_name)
     up, down = up.transpose(1, 2) if up_t else up, down.transpose(1, 2) if down_t else down
+    biases = (getattr(module, f"{up_name}_bias"), getattr(module, f"{down_name}_bias")) \
+        if getattr(module, "has_bias", False) else None
+    interleaved = not getattr(module, "is_concatenated", True)
+    if interleaved:  # [E, 2I, H] as [E, 2, I, H]; the same split of I on every device
+        up = up.unflatten(1, (-1, 2)).transpose(1, 2)
+        biases = biases and (biases[0].unflatten(1, (-1, 2)).transpose(1, 2), biases[1])
 
     def gate(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-        return module._apply_gate(torch.cat([g, u], -1))
+        return module._apply_gate(torch.stack([g, u], -1).flatten(-2) if interleaved else torch.cat([g, u], -1))
 
     if scope.lowering():
-        return run(es, hidden, ids, weights, gate, up, down).to(hidden.dtype)
+        return run(es, hidden, ids, weights, gate, up, down, biases=biases).to(hidden.dtype)
     plain, capacity = even(es, hidden.shape[0], ids.shape[-1], up.shape[0])  # the audit's unsharded reference
-    return run(plain, hidden, ids, weights, gate, up, down, capacity=capacity).to(hidden.dtype)
+    return run(plain, hidden, ids, weights, gate, up, down, capacity=capacity, biases=biases).to(hidden.dtype)
 
 
 def experts_interface(original: Callable[..., Any]) -> Callable[..., Any]:
