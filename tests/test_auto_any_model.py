@@ -216,6 +216,21 @@ def test_gpt_bigcode_multi_query_splits_q_and_copies_k_v():
     assert max_err(copies, copies[:1].expand_as(copies)) == 0  # still equal on every device
 
 
+def test_falcon_multi_query_reshapes_its_packed_output_and_gets_it_in_the_original_order():
+    """Falcon (``multi_query``): ``x @ w.T`` packs q with one key/value head, then a ``view`` into heads + 2
+    names the original features. The projection is lowered as the ``F.linear`` it is (its output tagged);
+    the view gets the original order back, with a warning that says it moves data: the CPU model's logits."""
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=128,
+                                    multi_query=True, new_decoder_architecture=False)
+    ref = seeded(lambda: transformers.AutoModelForCausalLM.from_config(cfg))
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
+    x = ids()
+    with pytest.warns(UserWarning, match="gets the original order back, which moves data"):
+        got = model(x.to(torch_xla.device())).logits
+    assert max_err(got, ref(x).logits) < 1e-4
+
+
 class TrainingLoss(nn.Module):
     """A training wrapper: the loss is computed inside the forward that "auto" traces."""
 

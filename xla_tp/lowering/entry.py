@@ -29,13 +29,14 @@ cost of a step near that of the same model without xla_tp. Example::
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 
 from ..state import param_state
-from . import attention, copies, embedding as vocab, packed, scope, slots, tied
+from . import attention, copies, embedding as vocab, packed, scope, slots, tied, transposed
 from .mode import active
 
 
@@ -104,9 +105,13 @@ def _sdpa(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
 
 def _matmul(a: Any, b: Any = None, **kwargs: Any) -> Any:
     b = kwargs.get("other", b)
-    if "out" in kwargs or not (_is_xla(a) and _is_xla(b) and a.dim() >= 4 and b.dim() >= 4):
+    if "out" in kwargs or not (_is_xla(a) and _is_xla(b)):
         return NotImplemented
-    return attention.matmul_4d(a, b)
+    if a.dim() >= 4 and b.dim() >= 4:
+        return attention.matmul_4d(a, b)
+    weight = transposed.parameter_of(b)
+    # ``x @ w.T`` (Falcon's ``FalconLinear``) is ``F.linear(x, w)``: the same groups, packings and copies
+    return torch.nn.functional.linear(a, weight) if weight is not None else NotImplemented
 
 
 def _mha(*args: Any, **kwargs: Any) -> Any:
@@ -195,6 +200,8 @@ def getitem(original: Callable[..., Any]) -> Callable[..., Any]:
     """``Tensor.__getitem__``, retried with clamped slice bounds where torch_xla refuses them."""
     @functools.wraps(original)
     def lowered_getitem(self: torch.Tensor, index: Any) -> Any:
+        if torch.compiler.is_compiling():  # dynamo records ``x[index]`` itself (and cannot call the builtin)
+            return operator.getitem(self, index)
         try:
             return original(self, index)
         except RuntimeError as error:

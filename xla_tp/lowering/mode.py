@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import bmm, copies, packed, patchify
+from . import bmm, copies, packed, patchify, transposed
 
 _state = threading.local()
 GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see entry's replacement of it instead
@@ -75,7 +75,7 @@ class Lowering(TorchFunctionMode):
             got = packed.pieces(tensor, packing, ranges)
             if got is not None:
                 return got[0] if func is torch.Tensor.narrow or _is_getitem(func) else tuple(got)
-        if func in _KEEPS_LAST:
+        if func in _KEEPS_LAST and not (func in _RESHAPES and packing.laid_size != packing.size):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.shape[-1] == tensor.shape[-1]:
                 return self.tag(out, packing)
@@ -149,9 +149,15 @@ def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor, n: int) -> O
         last_index = index[-1]
         if not isinstance(last_index, slice) or last_index.step not in (None, 1):
             return None
-        start, stop, _ = last_index.indices(n)
-        return [(start, stop)]
+        return [(_bound(last_index.start, 0, n), _bound(last_index.stop, n, n))]
     return None
+
+
+def _bound(i: Optional[int], default: int, n: int) -> int:
+    """A slice bound on a dimension of ``n`` as ``slice.indices`` gives it (step 1), which dynamo cannot trace."""
+    if i is None:
+        return default
+    return min(max(i + n if i < 0 else i, 0), n)
 
 
 def _runs(sizes: list[int], n: int) -> list[tuple[int, int]]:
@@ -181,7 +187,7 @@ def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
     return {func: first(handlers) for func, handlers in funcs.items()}
 
 
-_HANDLERS = _first(copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS)
+_HANDLERS = _first(copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _KEEPS_LAST = {torch.Tensor.unsqueeze, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
