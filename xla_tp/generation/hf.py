@@ -76,7 +76,8 @@ class HFDecoder:
                cache: Cache) -> torch.Tensor:
         """The last token's logits ``[B, vocab]``; the cache writes at its own position (``slots``' first)."""
         extra: dict[str, Any] = {"logits_to_keep": 1} if self.last_only else {}
-        out = self.model(input_ids=ids, attention_mask=valid, position_ids=positions, past_key_values=cache,
+        # 0/1 as a tokenizer gives it: some models do arithmetic on the mask (BLOOM's ALiBi positions)
+        out = self.model(input_ids=ids, attention_mask=valid.long(), position_ids=positions, past_key_values=cache,
                          use_cache=True, **extra)
         return out.logits[:, -1]
 
