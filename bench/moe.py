@@ -1,6 +1,7 @@
 """``python -m bench.moe``: mixture-of-experts layers at real widths, each layout against HF's plan by hand.
 
-Two models built on ``meta`` in bf16 on a data=2 x model=4 mesh of 8 CPU devices, one process each:
+Two models built on ``meta`` in bf16 on 8 CPU devices (a data=2 x model=4 mesh, or expert=2 x model=4),
+one process each:
 
 - ``mixtral-8x7b``: one Mixtral-8x7B layer (hidden 4096, 8 experts of 14336, top-2, 32 heads, 8 KV heads);
 - ``deepseek-v3``: a dense layer, then one DeepSeek-V3 MoE layer (hidden 7168, MLA, experts of 2048,
@@ -8,7 +9,9 @@ Two models built on ``meta`` in bf16 on a data=2 x model=4 mesh of 8 CPU devices
   ones do not fit this machine's 24 GB; every width is DeepSeek-V3's).
 
 Routes: ``auto`` ("auto": expert-parallel), ``expert-tensor-parallel`` (the auto plan with the experts
-split on their features, gate/up re-laid), and ``hf-by-hand`` (the model's own ``tp_plan`` applied with
+split on their features, gate/up re-laid), ``expert-axis`` ("auto" on expert=2 x model=4: the experts
+split over the expert axis, their token slots moved there and back by all-to-all, each expert's features
+split over the model axis), and ``hf-by-hand`` (the model's own ``tp_plan`` applied with
 one ``xs.mark_sharding`` per weight, experts computed by transformers' ``batched_mm``, the one of its
 implementations XLA runs). Each row is the forward audit of a batch of 4 x 128 tokens at capacity
 factor 1.25: collectives, comm ratio (against the plan's own minimum), compute balance (against the
@@ -39,7 +42,8 @@ MODELS = {
                                              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                              v_head_dim=128, vocab_size=32000)),
 }
-ROUTES = ("auto", "expert-tensor-parallel", "hf-by-hand")
+ROUTES = ("auto", "expert-tensor-parallel", "expert-axis", "hf-by-hand")
+MESHES = {"expert-axis": {"expert": 2, "model": 4}}  # the others: data=2 x model=4
 TOKENS = (4, 128)
 
 
@@ -60,8 +64,9 @@ def run_one(name: str, route: str) -> dict:
 
     import xla_tp
     from bench.plans import plan_layout
-    mesh = xla_tp.make_mesh(data=2, model=4)
-    sizes = {"data": 2, "model": 4}
+    from xla_tp.planners.experts import LAYOUTS
+    sizes = MESHES.get(route, {"data": 2, "model": 4})
+    mesh = xla_tp.make_mesh(**sizes)
     model = _model(name)
     if route == "hf-by-hand":
         model.set_experts_implementation("batched_mm")
@@ -70,13 +75,14 @@ def run_one(name: str, route: str) -> dict:
             xs.mark_sharding(model.get_parameter(pname), mesh, spec)
         layout = plan_layout(model, xla_tp.hf_plan(model), mesh)
     else:
-        plan = xla_tp.plan_for(model, mesh=sizes, experts=None if route == "auto" else route)
+        plan = xla_tp.plan_for(model, mesh=sizes, experts=route if route in LAYOUTS else None)
         xla_tp.parallelize_xla(model, plan, mesh=mesh)
         layout = None
     ids = torch.randint(0, 1000, TOKENS).to(torch_xla.device())
     report = xla_tp.audit(model, ids, mesh=mesh, plan_layout=layout)
-    layouts = sorted({r["layout"] for r in xla_tp.moe_report(model).values()}) if route != "hf-by-hand" else []
-    return {"model": name, "route": route, "layouts": layouts,
+    layouts = sorted({r["layout"] + (f" x {r['expert_axis']} axis" if r["expert_axis"] else "")
+                      for r in xla_tp.moe_report(model).values()}) if route != "hf-by-hand" else []
+    return {"model": name, "route": route, "mesh": " x ".join(f"{a}={n}" for a, n in sizes.items()), "layouts": layouts,
             "collectives": {k: v["count"] for k, v in report.collectives.items()},
             "comm_bytes": report.comm_bytes, "comm_ratio": round(report.comm_ratio, 3) if report.comm_ratio else None,
             "compute_balance": round(report.compute_balance, 3),
@@ -110,7 +116,7 @@ def main(argv=None) -> int:
             rows.append(json.loads(found[0]) if found else
                         {"model": name, "route": route, "status": f"fails ({done.returncode}): {_error(done.stderr)}"})
             print(json.dumps(rows[-1]), flush=True)
-    write_result(args.out, "moe.json", {"tokens": list(TOKENS), "mesh": "data=2 x model=4", "rows": rows})
+    write_result(args.out, "moe.json", {"tokens": list(TOKENS), "rows": rows})
     return 0
 
 

@@ -1,7 +1,15 @@
 """Tiny mixture-of-experts models of five transformers families (hidden 64, 8 experts, top-2; one layer,
 DeepSeek-V3 two: a dense one, then an MoE one; gpt-oss's experts have biases and interleave gate and up)."""
+import copy
+
 import torch
+import torch_xla
 import transformers
+
+import xla_tp
+from xla_tp.lowering.packed import packing_of, restore
+
+from .helpers import grads
 
 COMMON = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
               router_aux_loss_coef=0.01)
@@ -36,3 +44,31 @@ def build(name: str, experts: int = 8):
             if "experts" in fqn and fqn.endswith("_bias"):
                 p.normal_(0, 0.1)
     return model
+
+
+def _step(model, ids):
+    out = model(ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    return out
+
+
+def trained(name: str, mesh, plan="auto"):
+    """(CPU model, its step's output, the model under ``plan`` dropless, its step's output)."""
+    torch.manual_seed(0)
+    cpu = build(name)
+    model = copy.deepcopy(cpu)
+    ids = torch.randint(0, 128, (4, 16))
+    ref = _step(cpu, ids)
+    xla_tp.parallelize_xla(model, plan, mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    return cpu, ref, model, _step(model, ids.to(torch_xla.device()))
+
+
+def original_grads(model) -> dict:
+    """Every gradient on the CPU, a re-laid weight's (gate and up device-major) in the original order."""
+    out = grads(model)
+    for name, g in out.items():
+        packing = packing_of(model.get_parameter(name))
+        if packing is not None:
+            out[name] = restore(g, packing)
+    return out

@@ -33,8 +33,12 @@ def test_make_mesh_wrong_product_names_both_numbers():
 def test_make_mesh_unknown_axis():
     with pytest.raises(xla_tp.MeshError, match="'pipeline'"):
         xla_tp.make_mesh(pipeline=2, model=4)
-    with pytest.raises(xla_tp.MeshError, match="'expert'.*experts over the model axis"):
-        xla_tp.make_mesh(expert=2, model=4)
+
+
+def test_the_expert_axis_is_in_a_mesh_only_when_asked_for():
+    assert tuple(xla_tp.make_mesh(data=2, model=4).axis_names) == ("data", "fsdp", "model")
+    mesh = xla_tp.make_mesh(ep=2, model=4)
+    assert (tuple(mesh.axis_names), tuple(mesh.mesh_shape)) == (("data", "fsdp", "expert", "model"), (1, 1, 2, 4))
 
 
 def test_device_mesh_conversion():

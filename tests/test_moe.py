@@ -19,28 +19,10 @@ from xla_tp.launch.train import causal_or_masked_loss
 from xla_tp.plan.hf import hf_plan
 
 from .helpers import grads, max_err
-from .moe_models import build
+from .moe_models import build, trained
 
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 TP = 4
-
-
-def _step(model, ids):
-    out = model(ids, labels=ids, output_router_logits=True)
-    out.loss.backward()
-    return out
-
-
-def _trained(name: str, mesh):
-    """(CPU model, its step's output, the model under "auto" dropless, its step's output)."""
-    torch.manual_seed(0)
-    cpu = build(name)
-    model = copy.deepcopy(cpu)
-    ids = torch.randint(0, 128, (4, 16))
-    ref = _step(cpu, ids)
-    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
-    return cpu, ref, model, _step(model, ids.to(torch_xla.device()))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +32,7 @@ def mesh():
 
 @pytest.fixture(scope="module", params=FAMILIES)
 def family(request, mesh):
-    cpu, ref, model, out = _trained(request.param, mesh)
+    cpu, ref, model, out = trained(request.param, mesh)
     aux = None if ref.aux_loss is None else (out.aux_loss.item(), ref.aux_loss.item())  # DeepSeek-V3 has none
     result = {"name": request.param, "model": model, "cpu": cpu, "logits": max_err(out.logits, ref.logits),
               "loss": (out.loss.item(), ref.loss.item()), "aux": aux, "grads": grads(model),
@@ -98,7 +80,7 @@ def test_every_moe_layer_is_reported_expert_parallel_and_dropless(family):
     moe = [fqn for fqn, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
     assert sorted(report) == sorted(moe)
     for layer in report.values():
-        assert layer == {"layout": "expert-parallel", "capacity_factor": 1.25, "dropless": True,
+        assert layer == {"layout": "expert-parallel", "expert_axis": None, "capacity_factor": 1.25, "dropless": True,
                          "routed": 4 * 16 * 2, "dropped": 0}
 
 
@@ -152,7 +134,7 @@ def test_expert_tensor_parallel_when_the_axis_does_not_divide_the_experts(mesh):
 
 
 def test_fsdp_tp_ep_mesh_trains_like_cpu():
-    cpu, ref, model, out = _trained("mixtral", xla_tp.make_mesh(fsdp=2, model=TP))
+    cpu, ref, model, out = trained("mixtral", xla_tp.make_mesh(fsdp=2, model=TP))
     assert max_err(out.logits, ref.logits) < 1e-4
     got = grads(model)
     assert max(max_err(got[n], p.grad) for n, p in cpu.named_parameters()) < 1e-4

@@ -46,7 +46,8 @@ def test_torchtitan_deepseek_v3_with_its_own_plans_trains_like_cpu(reference, ex
     assert max_err(model(xids), logits) < 1e-4
     layout = {"TensorParallel": "expert-tensor-parallel", "ExpertParallel": "expert-parallel"}[experts]
     assert xla_tp.moe_report(model)["layers.1.moe.experts"] == {
-        "layout": layout, "capacity_factor": 1.25, "dropless": True, "routed": 4 * 16 * 2, "dropped": 0}
+        "layout": layout, "expert_axis": None, "capacity_factor": 1.25, "dropless": True, "routed": 4 * 16 * 2,
+        "dropped": 0}
     w1 = model.layers["1"].moe.experts.w1
     assert local_numel(tuple(w1.shape), sharding_string(w1)) * 4 == w1.numel()
     _loss(model, xids).backward()

@@ -1,7 +1,9 @@
 """Mesh axes, and the one table that says which mesh axes each logical axis is split over.
 
-A mesh has up to three axes, in this order: ``data`` (batch replicas), ``fsdp`` (batch and parameter
-shards) and ``model`` (tensor parallel); aliases ``tp``/``tensor`` -> ``model``, ``dp`` -> ``data``.
+A mesh has up to four axes, in this order: ``data`` (batch replicas), ``fsdp`` (batch and parameter
+shards), ``expert`` (batch shards that also split the experts of mixture-of-experts layers: tokens
+reach their experts by all-to-all; only in meshes that ask for it) and ``model`` (tensor parallel);
+aliases ``tp``/``tensor`` -> ``model``, ``dp`` -> ``data``, ``ep`` -> ``expert``.
 Everything that places a tensor says what each of its dimensions *is* (a logical axis) and reads
 ``LOGICAL_AXES`` for where that goes, in the spirit of MaxText's logical axis rules: the planners'
 parameter roles, the activations' batch and sequence dimensions, FSDP's parameter shards, the batch
@@ -17,24 +19,35 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-DATA, FSDP, MODEL = "data", "fsdp", "model"
-AXIS_ORDER = (DATA, FSDP, MODEL)
-AXIS_ALIASES = {"tp": MODEL, "tensor": MODEL, "dp": DATA}
+DATA, FSDP, EXPERT, MODEL = "data", "fsdp", "expert", "model"
+AXIS_ORDER = (DATA, FSDP, EXPERT, MODEL)
+OPTIONAL_AXES = (EXPERT,)  # in a mesh only when asked for (a mesh always has the others, of size 1 or more)
+AXIS_ALIASES = {"tp": MODEL, "tensor": MODEL, "dp": DATA, "ep": EXPERT}
 TP = "tp"  # in the table and in styles: the tensor-parallel axis of the call
 
 LOGICAL_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("batch", (DATA, FSDP)),  # an activation's batch dimension, over every batch axis the mesh has
+    ("batch", (DATA, FSDP, EXPERT)),  # an activation's batch dimension, over every batch axis the mesh has
     ("sequence", ()),  # whole, unless a plan asks for sequence parallelism (Shard(1) layouts)
     ("vocab", (TP,)),  # embedding rows, output-head rows (logits stay split)
     ("heads", (TP,)),  # attention heads: q/k/v outputs, the output projection's input
     ("kv_heads", (TP,)),  # key/value heads of grouped-query attention
     ("mlp", (TP,)),  # the MLP's intermediate features (a routed expert's too, expert-tensor-parallel)
     ("experts", (TP,)),  # the experts of a mixture-of-experts layer, expert-parallel: over the model axis
+    ("dispatched_experts", (EXPERT,)),  # ... over the expert axis: tokens reach them by all-to-all
     ("kernel", (TP,)),  # a patch embedding's kernel rows (a convolution over non-overlapping patches)
     ("embed", ()),  # the hidden (residual) dimension: whole on the model axis
     ("param_shard", (FSDP,)),  # FSDP: each parameter's first free dimension that the axis divides
 )
 _TABLE = dict(LOGICAL_AXES)
+
+
+def axis_names(sizes: Mapping[str, Any]) -> tuple[str, ...]:
+    """The axes of a mesh with these ``sizes``, in order: every axis but the optional ones not given.
+
+    >>> axis_names({"model": 8}), axis_names({"expert": 2, "model": 4})
+    (('data', 'fsdp', 'model'), ('data', 'fsdp', 'expert', 'model'))
+    """
+    return tuple(a for a in AXIS_ORDER if a not in OPTIONAL_AXES or a in sizes)
 
 
 def canonical_axis(name: str) -> str:

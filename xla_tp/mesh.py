@@ -1,11 +1,12 @@
 """Meshes: ``make_mesh``, torch's ``init_device_mesh``, and the conversion of every mesh a user
 may hold into an ``xs.Mesh``.
 
-Axis names are ``data``, ``fsdp`` and ``model`` (aliases ``tp``/``tensor`` -> ``model``,
-``dp`` -> ``data``). Example::
+Axis names are ``data``, ``fsdp``, ``expert`` (only when asked for) and ``model`` (aliases
+``tp``/``tensor`` -> ``model``, ``dp`` -> ``data``, ``ep`` -> ``expert``). Example::
 
     mesh = make_mesh(data=2, model=4)     # 2 x 4 over 8 devices
     mesh = make_mesh(model=None)          # 1-D over all devices
+    mesh = make_mesh(expert=2, model=4)   # MoE experts split 2 ways by all-to-all, 4-way tensor parallel
     world = init_device_mesh("xla", (2, 4), mesh_dim_names=("dp", "tp"))   # torch's idiom
     parallelize_module(model, world["tp"], plan)   # tensor parallel over tp, batch over dp
 """
@@ -21,7 +22,7 @@ import torch_xla.distributed.spmd as xs
 import torch_xla.runtime as xr
 from torch.distributed.device_mesh import DeviceMesh
 
-from .axes import AXIS_ALIASES, AXIS_ORDER, canonical_axis
+from .axes import AXIS_ALIASES, AXIS_ORDER, axis_names, canonical_axis
 from .errors import MeshError
 
 _runtime_ready = False
@@ -91,7 +92,9 @@ def make_mesh(**axes: Optional[int]) -> xs.Mesh:
     """Build a named ``xs.Mesh`` over all devices and make it the global mesh.
 
     An axis left out has size 1; ``model=None`` takes the devices left over (also the default
-    when no axis is given). Example::
+    when no axis is given). The ``expert`` axis is in the mesh only when given: the batch is split
+    over it like ``data``, and mixture-of-experts layers split their experts over it (their tokens
+    reach them by all-to-all). Example::
 
         mesh = make_mesh(fsdp=2, model=4)
         mesh.axis_names   # ('data', 'fsdp', 'model') with sizes (1, 2, 4)
@@ -100,10 +103,8 @@ def make_mesh(**axes: Optional[int]) -> xs.Mesh:
     for name, size in axes.items():
         axis = canonical_axis(name)
         if axis not in AXIS_ORDER:
-            experts = "; mixture-of-experts layers split their experts over the model axis" \
-                if name.lower() in ("expert", "experts", "ep") else ""
             raise MeshError(f"make_mesh: unknown axis {name!r}; use one of {AXIS_ORDER} "
-                            f"(aliases {sorted(AXIS_ALIASES)}){experts}")
+                            f"(aliases {sorted(AXIS_ALIASES)})")
         if axis in sizes:
             raise MeshError(f"make_mesh: axis {axis!r} given twice (through {name!r})")
         if size is not None and (not isinstance(size, int) or size < 1):
@@ -121,11 +122,12 @@ def make_mesh(**axes: Optional[int]) -> xs.Mesh:
             raise MeshError(f"make_mesh: fixed axes multiply to {known}, which does not divide "
                             f"the {n} devices")
         sizes[free[0]] = n // known
-    shape = tuple(sizes.get(a) or 1 for a in AXIS_ORDER)
+    names = axis_names(sizes)
+    shape = tuple(sizes.get(a) or 1 for a in names)
     if math.prod(shape) != n:
-        raise MeshError(f"make_mesh: axis sizes {dict(zip(AXIS_ORDER, shape))} multiply to "
+        raise MeshError(f"make_mesh: axis sizes {dict(zip(names, shape))} multiply to "
                         f"{math.prod(shape)} but there are {n} devices")
-    mesh = xs.Mesh(np.arange(n), shape, AXIS_ORDER)
+    mesh = xs.Mesh(np.arange(n), shape, names)
     xs.set_global_mesh(mesh)
     return mesh
 

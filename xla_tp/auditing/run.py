@@ -17,7 +17,6 @@ partitioned program comes from ``capture_partitioned_hlo``: torch_xla's own comp
 """
 from __future__ import annotations
 
-import math
 import warnings
 from collections import Counter
 from typing import Any, Callable, Optional, Union
@@ -30,11 +29,12 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves
 
-from ..axes import batch_axes, batch_ways
+from ..axes import EXPERT, batch_axes, batch_ways
 from ..lowering import scope
+from ..lowering.routed import dispatch_collectives
 from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
-from ..plan.layout import Layout
+from ..plan.layout import Layout, uses_axis
 from ..state import constraint_handles, layout_of
 from .capture import capture_partitioned_hlo, post_optimization_hlo_enabled
 from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
@@ -224,6 +224,7 @@ def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Lay
     default read from the XLA tensor's sharding).
     """
     expected = minimum_collectives(calls, module, layout, report.mesh, report.backward)
+    expected += _expert_dispatch(calls, module, report.mesh, report.backward)
     if report.backward:
         expected += _data_grad_allreduces(module, layout, report.mesh, grad_numel)
     if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
@@ -243,13 +244,31 @@ def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Lay
     report.comm_minimum_bytes = sum(v["bytes"] for v in summary.values())
 
 
+def _expert_dispatch(calls: list, module: nn.Module, sizes: dict[str, int], backward: bool) -> list[Expected]:
+    """Each call of an MoE layer whose experts are split over the expert axis: an all-to-all of its
+    token slots to their experts and one back (and both again in the backward)."""
+    found = []
+    for call in calls:
+        mod = module.get_submodule(call.fqn) if call.fqn else module
+        numel = dispatch_collectives(mod, call.args, sizes)
+        if numel:
+            dtype = call.args[0].dtype
+            found += [Expected("all-to-all", numel, dtype, f"{call.fqn} {way}")
+                      for way in ("dispatch", "combine", *(("dispatch (grad)", "combine (grad)") if backward else ()))]
+    return found
+
+
 def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int],
                           grad_numel: Callable[[str, torch.Tensor], int]) -> list[Expected]:
-    """With a data axis, one all-reduce per parameter gradient (its local size)."""
-    if math.prod(sizes.get(a, 1) for a in layout.batch_axes) == 1:
-        return []
-    return [Expected("all-reduce", grad_numel(name, p), p.dtype, name + " grad")
-            for name, p in module.named_parameters() if p.requires_grad]
+    """One all-reduce per parameter gradient (its local size) over the batch axes, where one splits the
+    batch: all but the expert axis for a weight whose experts it splits (each device's own experts)."""
+    found = []
+    for name, p in module.named_parameters():
+        split = layout.params.get(name, ())
+        axes = [a for a in layout.batch_axes if sizes.get(a, 1) > 1 and not (a == EXPERT and uses_axis(split, a))]
+        if p.requires_grad and axes:
+            found.append(Expected("all-reduce", grad_numel(name, p), p.dtype, name + " grad"))
+    return found
 
 
 def _hlo_float_itemsize(found: list) -> Optional[int]:

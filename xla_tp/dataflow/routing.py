@@ -44,6 +44,7 @@ class ExpertWeight:
     expert_dim: int
     contracted: int
     kept: int
+    interleaved: bool = False  # its output split by stride 2 (gpt-oss's ``[g0, u0, g1, u1, ...]``)
 
 
 @dataclass
@@ -140,8 +141,21 @@ def _contracted(sel: Value, weight: Value, nodes: set[int]) -> Optional[ExpertWe
         if len(contracted) != 1 or len(kept) != 1:
             continue
         nodes.add(node.index)
-        return ExpertWeight(weight, 0, contracted[0] - lead + 1, kept[0] - lead + 1)
+        return ExpertWeight(weight, 0, contracted[0] - lead + 1, kept[0] - lead + 1, _strided(node.outputs[0]))
     return None
+
+
+def _strided(out: Value, depth: int = 4) -> bool:
+    """Whether ``out``'s features are taken apart by stride-2 slices (``[..., ::2]``, ``[..., 1::2]``)
+    within ``depth`` ops that keep its last dimension (a squeeze, a bias added)."""
+    for node, _ in out.consumers:
+        index = node.arg(1, "index") if node.op == "getitem" else None
+        steps = index if isinstance(index, tuple) else (index,)
+        if any(isinstance(i, slice) and i.step == 2 for i in steps):
+            return True
+        if depth and any(v.shape[-1:] == out.shape[-1:] and _strided(v, depth - 1) for v in node.outputs):
+            return True
+    return False
 
 
 def _router(choice: Node) -> Optional[Value]:

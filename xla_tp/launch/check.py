@@ -22,6 +22,8 @@ from torch import nn
 
 import xla_tp
 
+from ..lowering.packed import packing_of, restore
+
 StepLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -31,12 +33,19 @@ def one_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     logits, loss = loss_fn(model, inputs, targets)
     loss.backward()
-    grads = [p.grad.detach().clone() for p in model.parameters()]
+    grads = [as_written(p, p.grad.detach().clone()) for p in model.parameters()]
     opt.step()
     if inputs.device.type == "xla":
         torch_xla.sync()   # one program for everything, not one per .cpu() read
     return {"logits": [logits.detach()], "loss": [loss.detach()], "grads": grads,
-            "params": [p.detach() for p in model.parameters()]}
+            "params": [as_written(p, p.detach()) for p in model.parameters()]}
+
+
+def as_written(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``p`` or its gradient) in the order of the model as written: a weight the layout re-laid
+    (packed projections, gate and up of experts: device-major) is put back."""
+    packing = packing_of(p)
+    return t if packing is None else restore(t, packing)
 
 
 def parallelizer(plan: Any, mesh: Any, moe: bool = False) -> Callable[[nn.Module], nn.Module]:

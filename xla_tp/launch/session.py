@@ -23,7 +23,7 @@ import yaml
 
 import xla_tp
 
-from ..axes import AXIS_ORDER
+from ..axes import axis_names
 from ..dataflow.graph import Graph
 from .check import compare_one_step, parallelizer
 from .checkpoints import Checkpoints
@@ -152,7 +152,8 @@ def estimator(meta: torch.nn.Module, plan: PlanInput, shape: ModelShape, setting
     """``estimate`` for another mesh of the same chips: the plan is made again for that mesh (from the
     model's ``graph`` when "auto" traced it already)."""
     def on(axes: dict[str, int]) -> FitReport:
-        mesh = xs.Mesh(np.arange(topology.chips), tuple(axes.get(a, 1) for a in AXIS_ORDER), AXIS_ORDER)
+        names = axis_names(axes)
+        mesh = xs.Mesh(np.arange(topology.chips), tuple(axes.get(a, 1) for a in names), names)
         return estimate(meta, plan_specs(meta, plan, mesh, graph).specs, mesh, shape, settings, topology)
     return on
 

@@ -18,7 +18,12 @@ layout (``ExpertSet.layout``):
 - ``replicated``: one chunk, everything on every device.
 
 Both split layouts move the same bytes; expert-parallel holds ``1/N`` of the slots per device, so
-its dispatched activations take ``1/N`` of the memory. Tokens are routed within each batch shard
+its dispatched activations take ``1/N`` of the memory. On a mesh with an expert axis (``ep_axis``)
+the experts are also split over it, an axis the batch is split over: each batch shard fills its
+slots for every expert, then the slots change hands, from split by batch shard to split by expert
+(one all-to-all), the experts run on the slots they hold, and the outputs go back the same way
+(another): the dispatch of expert parallelism, written as two layouts of one tensor for the
+compiler to connect. Tokens are routed within each batch shard
 (``groups``): routing never crosses the data axes. ``MoeOptions`` sets the capacity factor and
 ``dropless``; each forward's routed and dropped assignments are kept (``ExpertSet.last``). Example::
 
@@ -65,6 +70,7 @@ class ExpertSet:
     batch: tuple[str, ...] = ()  # mesh axes of the batch: one routing group per shard
     groups: int = 1
     relaid: bool = False  # gate_up re-laid device-major (expert-tensor-parallel)
+    ep_axis: Optional[str] = None  # a batch axis that also splits the experts (their slots move by all-to-all)
     weights: tuple = ()  # (gate_up name, stored [E, in, out], down name, stored [E, in, out]) on its module
     options: MoeOptions = field(default_factory=MoeOptions)
     last: dict[str, Any] = field(default_factory=dict)  # the last forward's "routed" (int) and "dropped" (tensor)
@@ -77,6 +83,25 @@ class ExpertSet:
         batch = (self.batch if len(self.batch) > 1 else self.batch[0]) if self.batch else None
         head = (self.axis if self.chunks > 1 else None,) if chunked else ()
         return self.sharder.constrain(x, (*head, batch, *[None] * (x.dim() - 1 - len(head))))
+
+    def to_experts(self, slots: torch.Tensor) -> torch.Tensor:
+        """Slots ``[t, G, e, C, H]``, filled where their tokens are (``G`` split over the batch axes),
+        moved to the devices of their experts (``e`` split over the expert axis, ``G`` over the other
+        batch axes): one all-to-all. Without an expert axis, ``slots`` as they are."""
+        return slots if self.ep_axis is None else self._at_experts(self.constrain(slots))
+
+    def from_experts(self, y: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs ``[t, G, e, C, H]`` back to their tokens' devices as ``[t, G, e*C, H]``
+        (the all-to-all of ``to_experts`` the other way)."""
+        if self.ep_axis is None:
+            return y.flatten(2, 3)
+        return self.constrain(self._at_experts(y).flatten(2, 3))
+
+    def _at_experts(self, x: torch.Tensor) -> torch.Tensor:
+        rest = tuple(a for a in self.batch if a != self.ep_axis)
+        batch = (rest if len(rest) > 1 else rest[0]) if rest else None
+        head = self.axis if self.chunks > 1 else None
+        return self.sharder.constrain(x, (head, batch, self.ep_axis, *[None] * (x.dim() - 3)))
 
 
 def _chunked_weights(es: ExpertSet, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +143,17 @@ def even(es: ExpertSet, tokens: int, top_k: int, experts: int) -> tuple[ExpertSe
     return ExpertSet("replicated", 1, groups=groups, weights=es.weights), max(1, math.ceil(tokens // groups * top_k / experts))
 
 
+def dispatched_numel(es: ExpertSet, tokens: int, top_k: int, experts: int, width: int, sizes: dict[str, int]) -> int:
+    """Elements per device that one all-to-all of ``run`` moves (0 without an expert axis): every slot of
+    the device's routing groups, ``G / batch shards x E x C x H``."""
+    if es.ep_axis is None:
+        return 0
+    groups = es.groups if tokens % es.groups == 0 else 1
+    slots = slotting.capacity(tokens // groups, top_k, experts, es.options.capacity_factor, es.options.dropless)
+    shards = math.prod(sizes.get(a, 1) for a in es.batch)
+    return max(1, groups // shards) * experts * slots * width
+
+
 def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Gate,
         gate_up: torch.Tensor, down: torch.Tensor, capacity: Optional[int] = None,
         biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -139,7 +175,7 @@ def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.T
     x = es.constrain(x.unsqueeze(0).expand(c, *x.shape))
     token = _chunked_slots(es, es.constrain(s.token, chunked=False))
     where = token.unsqueeze(-1).expand(*token.shape, width)
-    dispatched = torch.gather(x, 2, where).view(c, groups, local, capacity, width)
+    dispatched = es.to_experts(torch.gather(x, 2, where).view(c, groups, local, capacity, width))
     h = torch.einsum("tgech,tejih->tgecji", dispatched, up.to(dispatched.dtype))
     if biases is not None:
         up_bias, down_bias = _chunked_biases(es, *biases)
@@ -148,7 +184,7 @@ def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.T
     y = torch.einsum("tgeci,tehi->tgech", h, dn.to(h.dtype))
     if biases is not None:
         y = y + down_bias[:, None, :, None].to(y.dtype)
-    y = y.reshape(c, groups, local * capacity, width)
+    y = es.from_experts(y)
     y = y * _chunked_slots(es, es.constrain(s.weight, chunked=False)).unsqueeze(-1).to(y.dtype)
     out = es.constrain(torch.zeros(c, groups, per_group + 1, width, dtype=y.dtype, device=y.device).scatter_add(2, where, y))
     return out.sum(0)[:, :per_group].reshape(tokens, width)

@@ -32,6 +32,7 @@ import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from ..axes import EXPERT
 from ..backends.annotate import XlaSharder
 from ..dataflow.graph import Graph
 from ..dataflow.routing import find_experts
@@ -39,7 +40,7 @@ from ..errors import PlanError
 from ..plan.layout import Layout, uses_axis
 from ..state import ModelState, ensure_param_state, param_state, states_under
 from . import scope
-from .experts import ExpertSet, MoeOptions, even, run
+from .experts import ExpertSet, MoeOptions, dispatched_numel, even, run
 from .grouped import GroupedForward, install_grouped
 
 FALLBACK = "batched_mm"
@@ -93,12 +94,13 @@ def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], 
         up, down = layer.weights
         spec = layout.params.get(up.param.name, (None,) * len(up.param.shape))
         kind = _layout_of(spec, layout.tp_axis, up.expert_dim)
+        ep_axis = EXPERT if EXPERT in batch and _layout_of(spec, EXPERT, up.expert_dim) == "expert-parallel" else None
         weight = root.get_parameter(up.param.name)
         names = (up.param.name.rpartition(".")[2], up.contracted == 1, down.param.name.rpartition(".")[2],
                  down.contracted == 1)
         es = ExpertSet(kind, state.tp if kind != "replicated" else 1, layout.tp_axis, XlaSharder(state.mesh), batch,
                        groups, relaid=getattr(param_state(weight), "packing", None) is not None, options=options,
-                       weights=names)
+                       weights=names, ep_axis=ep_axis)
         for name in (up.param.name, down.param.name):
             ensure_param_state(root.get_parameter(name)).experts = es
         _sets[root.get_submodule(layer.module)] = es
@@ -120,6 +122,17 @@ def uninstall_experts(model: nn.Module) -> None:
 def expert_set(module: nn.Module) -> Optional[ExpertSet]:
     """The set of a marked MoE layer (also while ``functional_call`` swaps its weights, as the audit does)."""
     return _sets.get(module)
+
+
+def dispatch_collectives(module: nn.Module, args: tuple, sizes: dict[str, int]) -> int:
+    """Elements per device of each all-to-all a call of MoE layer ``module`` on ``args`` makes (two in
+    its forward, one way and back; 0: none): what the audit's minimum counts for it."""
+    es = expert_set(module)
+    if es is None or len(args) < 2 or not all(isinstance(a, torch.Tensor) for a in args[:2]) or not es.weights:
+        return 0
+    hidden, ids = args[0], args[1]
+    return dispatched_numel(es, hidden.shape[0], ids.shape[-1], getattr(module, es.weights[0]).shape[0],
+                            hidden.shape[-1], sizes)
 
 
 def _hf_supported(module: nn.Module) -> bool:
@@ -227,7 +240,8 @@ def dropless(model: nn.Module) -> Iterator[None]:
 
 
 def moe_report(model: nn.Module) -> dict[str, dict[str, Any]]:
-    """Per MoE layer of ``model``: its layout, capacity options, and the last forward's routed and
+    """Per MoE layer of ``model``: its layout on the model axis, the expert axis its experts are split
+    over (None: none), capacity options, and the last forward's routed and
     dropped assignments (reading ``dropped`` runs the pending program if it has not run)."""
     out = {}
     for fqn, module in model.named_modules():
@@ -235,7 +249,7 @@ def moe_report(model: nn.Module) -> dict[str, dict[str, Any]]:
         if es is None:
             continue
         dropped = es.last.get("dropped")
-        out[fqn] = {"layout": es.layout, "capacity_factor": es.options.capacity_factor,
+        out[fqn] = {"layout": es.layout, "expert_axis": es.ep_axis, "capacity_factor": es.options.capacity_factor,
                     "dropless": es.options.dropless, "routed": es.last.get("routed", 0),
                     "dropped": int(dropped) if dropped is not None else 0}
     return out

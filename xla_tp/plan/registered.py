@@ -14,8 +14,8 @@ torchtitan style                                  under SPMD
 ``expert_parallel.TensorParallel``                experts' ``w1``/``w3`` split on dim 1, ``w2`` on
                                                   dim 2 (expert-tensor-parallel); output Partial
 ``expert_parallel.ExpertParallel``,               every own parameter split on the expert dim 0
-``expert_parallel.ExpertTensorParallel``          (expert-parallel over the model axis: xla_tp
-                                                  has no separate expert axis)
+``expert_parallel.ExpertTensorParallel``          (expert-parallel over the model axis: the
+                                                  style's own ``[ep, tp]`` mesh is not read)
 ``expert_parallel.ReordererSequenceParallel``     nothing (a per-rank token split)
 ================================================  ==============================================
 

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from torch import nn
 
-from ..axes import canonical_axis, sizes_of
+from ..axes import EXPERT, canonical_axis, sizes_of
 from ..dataflow.graph import Graph
 from ..dataflow.routing import find_experts
 from ..dataflow.trace import trace
@@ -74,6 +74,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     if not isinstance(model, nn.Module):
         raise PlanError(f"plan_for takes an nn.Module, got {type(model).__name__}")
     tp = axis_size(mesh, tp_axis)
+    ep = sizes_of(mesh).get(EXPERT, 1)
     graph = graph if graph is not None else trace(model, example_inputs, example_kwargs)
     found = find_experts(graph)
     on_meta = any(p.is_meta for p in model.parameters())
@@ -81,7 +82,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
 
     def roles(padding: str) -> Roles:
         out = decide(graph, tp, padding, pick, copies=not on_meta, routed=frozenset(found.nodes))
-        assign_experts(out, found, tp, experts)
+        assign_experts(out, found, tp, experts, ep)
         return out
 
     plan = build_plan(model, graph, roles(meta or ("" if check else "no check of the padded model was given")))

@@ -15,7 +15,13 @@ replicated                        everything                                  no
 ================================  ========================================  ==============================
 
 Both split layouts hold ``1/N`` of the expert weights and compute ``1/N`` of the expert FLOPs;
-expert-parallel is cheaper in activation memory, so it wins where ``N`` divides the experts. A
+expert-parallel is cheaper in activation memory, so it wins where ``N`` divides the experts.
+
+A mesh with an ``expert`` axis (``make_mesh(expert=2, model=4)``; the batch is split over it too)
+splits the experts over it wherever its size divides them (``dispatched_experts``): each batch shard
+sends its tokens' slots to the devices holding their experts and takes the results back (an
+all-to-all each way, and two in the backward), and the model axis splits each expert's features
+(expert-tensor-parallel, or nothing where it does not divide them). A
 weight packing gate and up (``[E, 2I, H]``: its output is twice what the second weight contracts)
 is re-laid device-major under expert-tensor-parallel. The router stays replicated (its scores pick
 experts on every device); shared experts and dense layers are planned like any MLP. ``plan_for(...,
@@ -63,9 +69,26 @@ def choose(experts: int, inter: int, tp: int, wanted: Optional[str] = None) -> t
                         f"{tp} ways; computed whole on every device (no communication)")
 
 
-def assign(roles: Roles, found: ExpertsFound, tp: int, layout: Optional[str] = None) -> None:
+def over_expert_axis(experts: int, ep: int, wanted: Optional[str] = None) -> tuple[bool, str]:
+    """Whether ``experts`` experts split over an expert axis of ``ep`` devices, and why.
+
+    >>> over_expert_axis(8, 2)[0], over_expert_axis(6, 4)[0], over_expert_axis(8, 2, "replicated")[0]
+    (True, False, False)
+    """
+    if ep <= 1 or wanted == REPLICATED:
+        return False, ""
+    if experts % ep:
+        return False, (f"the {experts} experts do not split over the expert axis's {ep} devices: held on each of "
+                       f"them (the expert axis splits only the batch here); ")
+    return True, (f"{experts} experts split {ep} ways over the expert axis ({experts // ep} per device): each batch "
+                  f"shard's token slots reach their experts by an all-to-all and come back by another (two more in "
+                  f"the backward); ")
+
+
+def assign(roles: Roles, found: ExpertsFound, tp: int, layout: Optional[str] = None, ep: int = 1) -> None:
     """Set the roles of every routed layer's weights and its router (see the module docstring);
-    ``layout`` (one of ``LAYOUTS``) instead of the cheapest, where the model axis divides what it splits."""
+    ``layout`` (one of ``LAYOUTS``) instead of the cheapest, where the model axis divides what it splits;
+    ``ep``: the size of the mesh's expert axis."""
     if layout is not None and layout not in LAYOUTS:
         raise PlanError(f"experts={layout!r} is not an experts layout; pass one of {', '.join(LAYOUTS)} (or None: "
                         f"the cheapest)")
@@ -74,10 +97,12 @@ def assign(roles: Roles, found: ExpertsFound, tp: int, layout: Optional[str] = N
             continue  # not a two-projection expert MLP: its weights keep the reasons the trace gives
         up, down = layer.weights
         experts, inter = up.param.shape[up.expert_dim], down.param.shape[down.contracted]
-        layout_, why = choose(experts, inter, tp, layout)
+        dispatched, ep_why = over_expert_axis(experts, ep, layout)
+        layout_, why = _on_model_axis(experts, inter, tp, layout, dispatched)
         packing = _gate_up(up, inter, tp) if layout_ == EXPERT_TENSOR_PARALLEL else None
         for weight, feature in ((up, up.kept), (down, down.contracted)):
-            roles.set(weight.param, ParamRole("experts", _axes(weight, feature, layout_), why, "partial",
+            axes = _axes(weight, feature, layout_, dispatched)
+            roles.set(weight.param, ParamRole("experts", axes, ep_why + why, "partial",
                                               packing if weight is up else None), layer.module)
         if layer.router is not None:
             roles.set(layer.router, ParamRole("replicated", (None,) * len(layer.router.shape),
@@ -85,8 +110,20 @@ def assign(roles: Roles, found: ExpertsFound, tp: int, layout: Optional[str] = N
                                               f"on every device, so it is computed whole"))
 
 
-def _axes(weight: ExpertWeight, feature: int, layout: str) -> tuple[Optional[str], ...]:
+def _on_model_axis(experts: int, inter: int, tp: int, layout: Optional[str], dispatched: bool) -> tuple[str, str]:
+    """``choose``, or where the expert axis holds the experts, the model axis splitting each one's features."""
+    if not dispatched:
+        return choose(experts, inter, tp, layout)
+    if tp > 1 and inter % tp == 0:
+        return choose(experts, inter, tp, EXPERT_TENSOR_PARALLEL)
+    return REPLICATED, (f"each expert whole on the model axis ({inter} intermediate features do not split {tp} ways)"
+                        if tp > 1 else "no model axis to split each expert's features")
+
+
+def _axes(weight: ExpertWeight, feature: int, layout: str, dispatched: bool) -> tuple[Optional[str], ...]:
     axes: list[Optional[str]] = [None] * len(weight.param.shape)
+    if dispatched:
+        axes[weight.expert_dim] = "dispatched_experts"
     if layout == EXPERT_PARALLEL:
         axes[weight.expert_dim] = "experts"
     elif layout == EXPERT_TENSOR_PARALLEL:
@@ -96,8 +133,9 @@ def _axes(weight: ExpertWeight, feature: int, layout: str) -> tuple[Optional[str
 
 def _gate_up(up: ExpertWeight, inter: int, tp: int) -> Optional[Packing]:
     """Gate and up packed in one weight (its output twice the features the second weight contracts):
-    re-laid so each device's slice holds its part of both."""
-    if up.param.shape[up.kept] != 2 * inter:
+    re-laid so each device's slice holds its part of both. Interleaved (``[g0, u0, g1, u1, ...]``), a
+    plain split already holds both parts of the features the down projection's split holds."""
+    if up.param.shape[up.kept] != 2 * inter or up.interleaved:
         return None
     return Packing(up.kept, ((0, inter), (inter, inter)), tp)
 
