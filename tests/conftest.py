@@ -26,6 +26,18 @@ from .titan import titan_single_call  # noqa: E402,F401  (session fixture: multi
 ensure_runtime()
 
 
+# the files that take longest, slowest first: ``-n 2 --dist loadfile`` hands files out in collection order,
+# so these start at once and the short ones fill the gaps at the end (not one long file alone at the end)
+SLOW_FIRST = ("test_launch_run.py", "test_dynamo.py", "test_bench.py", "test_families.py", "test_audit_user_path.py",
+              "test_generate.py", "test_backward.py", "test_auto_any_model.py", "test_moe.py", "test_launch_fit.py",
+              "test_call_order.py", "test_jax_user_path.py", "test_readme.py", "test_meta_init.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the rest as collected
+
+
 @pytest.fixture(autouse=True)
 def _no_global_mesh():
     """Each test starts without a global mesh (make_mesh sets one)."""

@@ -1,8 +1,10 @@
 """``xla_tp.audit`` from a plain script (no XLA_DUMP_POST_OPTIMIZATIONS): the path users walk.
 
-Each script runs in a fresh Python whose environment holds only PJRT_DEVICE and CPU_NUM_DEVICES,
-so the audit compiles through jaxlib. Its reports must equal the in-process audit of this session
-(conftest sets the variable: torch_xla's own compiler) field for field: HF Llama "auto" forward,
+Each script runs in a fresh Python whose environment holds only PJRT_DEVICE and CPU_NUM_DEVICES. The
+first one reads torch_xla's program itself before auditing (as a user debugging does), which fixes
+the process to unpartitioned HLO, so its audits compile through jaxlib. Its reports must equal the
+in-process audit of this session (conftest sets the variable: torch_xla's own compiler) field for
+field: HF Llama "auto" forward,
 and the torch model parallelized in several calls, forward+backward. GPT-2 "auto" is audited
 forward+backward there and must leave every parameter as it was.
 """
@@ -25,6 +27,7 @@ from tests.titan import report_dict, settled, titan
 assert "XLA_DUMP_POST_OPTIMIZATIONS" not in os.environ
 out = {}
 mesh = xla_tp.make_mesh(data=2, model=4)
+torch_xla._XLAC._get_xla_tensors_hlo([torch.ones(2, device=torch_xla.device()) * 2])  # torch_xla's own text first
 for name, backward in (("llama", False), ("gpt2", True)):
     torch.manual_seed(0)
     model = xla_tp.parallelize_xla(registry.build(name), "auto", mesh=mesh)

@@ -66,35 +66,36 @@ def test_capture_refuses_materialised_tensors():
 
 
 CAPTURE_SCRIPT = """
-import numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
+import os, numpy as np, torch, torch_xla, torch_xla.runtime as xr, torch_xla.distributed.spmd as xs
 if {spmd}:
     xr.use_spmd()
 a = torch.randn(16, 8).to(torch_xla.device())   # before importing xla_tp, which would turn SPMD on
-from xla_tp.auditing.capture import capture_partitioned_hlo
+from xla_tp.auditing.capture import capture_partitioned_hlo, route
 if {spmd}:
     xs.mark_sharding(a, xs.Mesh(np.arange(8), (8,), ("model",)), ("model", None))
+if {queried}:  # the script reads torch_xla's (pre-optimisation) program itself first
+    torch_xla._XLAC._get_xla_tensors_hlo([a + 1])
 try:
     print(capture_partitioned_hlo([(a * 2).sum()]))
+    print("route", route(), "XLA_DUMP_POST_OPTIMIZATIONS" in os.environ)
 except RuntimeError as error:
     print(error)
 """
 
 
-@pytest.mark.parametrize("post_optimizations, spmd, expected", [
-    (False, True, "all-reduce"),   # partitioned by jaxlib's XLA: the sum over the sharded dim is reduced
-    (False, False, "use_spmd()"),  # SPMD never turned on: refused, with what to do
+@pytest.mark.parametrize("spmd, queried, expected", [
+    (True, False, "route device False"),  # torch_xla's own compiler, asked for at the first HLO query; env as it was
+    (True, True, "route jaxlib False"),   # torch_xla read the variable unset before: jaxlib's XLA partitions it
+    (False, False, "use_spmd()"),          # SPMD never turned on: refused, with what to do
 ])
-def test_capture_with_and_without_post_optimization_flag(post_optimizations, spmd, expected):
-    env = user_env()
-    if post_optimizations:
-        env["XLA_DUMP_POST_OPTIMIZATIONS"] = "1"
-    script = CAPTURE_SCRIPT.format(spmd=spmd)
-    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+def test_capture_takes_the_device_compiler_unless_the_process_fixed_otherwise(spmd, queried, expected):
+    script = CAPTURE_SCRIPT.format(spmd=spmd, queried=queried)
+    result = subprocess.run([sys.executable, "-c", script], env=user_env(), capture_output=True, text=True,
                             timeout=300, cwd=Path(__file__).parent.parent)
     assert result.returncode == 0, result.stderr[-2000:]
     assert expected in result.stdout, result.stdout[-2000:]
-    if spmd:
-        assert "_spmd" in result.stdout
+    if spmd:  # the sum over the sharded dimension is reduced, in the partitioned program
+        assert "_spmd" in result.stdout and "all-reduce" in result.stdout
 
 
 def test_a_program_jaxlib_cannot_compile_names_the_way_out():

@@ -146,7 +146,7 @@ def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_wa
     was (run in this process: the refusal comes before the XLA runtime starts). The step-9 checkpoint
     truncated: --resume says it skipped it and why, and continues from step 6 with the same batches,
     optimizer state and learning rate (steps 7-9 repeat the first run's losses).
-    --overwrite then starts over, the earlier checkpoints moved aside intact."""
+    --overwrite then starts over (in this process too), the earlier checkpoints moved aside intact."""
     ckpt = tmp_path / "ckpt"
     common = ["tiny-llama-cpu", "--no-audit", "steps=9", "log_interval=1", f"checkpoint.dir={ckpt}",
               "checkpoint.interval=3", *SMALL]
@@ -173,11 +173,12 @@ def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_wa
     assert sorted(resumed) == [7, 8, 9]
     assert all(abs(resumed[s] - losses[s]) < 1e-5 for s in resumed), (resumed, losses)
     before = _files(ckpt)
-    third = _launch(*common, "steps=0", "--overwrite", "--run-dir", str(tmp_path / "b"))
-    assert third.returncode == 0, third.stdout[-3000:] + third.stderr[-3000:]
+    capsys.readouterr()
+    assert cli.main(["launch", *common, "steps=0", "--overwrite", "--run-dir", str(tmp_path / "b")]) == 0
+    third = capsys.readouterr().out
     aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.replaced-")]
     assert len(aside) == 1 and _files(aside[0]) == before and not ckpt.exists()
-    assert f"moved the earlier run's checkpoints (steps 3, 6, 9) to {str(aside[0])!r}" in third.stdout
+    assert f"moved the earlier run's checkpoints (steps 3, 6, 9) to {str(aside[0])!r}" in third
     assert _records(tmp_path / "b" / "metrics.jsonl") == [{"event": "done", "step": 0}]
 
 

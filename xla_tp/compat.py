@@ -12,6 +12,9 @@ Targets in optional packages (transformers, torchao) are installed once that pac
     lease = compat.lease()          # parallelize_xla does this
     installed()                     # ['sdpa', 'matmul', ...]
     lease.release()                 # the last one: every original is back
+
+``SETTINGS`` lists what cannot be undone that way, because what reads it keeps the first value it
+read: one entry, what the audit asks torch_xla for at the process's first HLO query.
 """
 from __future__ import annotations
 
@@ -158,6 +161,28 @@ EFFECTS: tuple[Effect, ...] = (
            "safetensors reads an XLA tensor's storage pointer and fails; a parallelized model is saved from "
            "host copies", replace("transformers.PreTrainedModel.save_pretrained",
                                   "xla_tp.checkpoint.export:host_save_pretrained")),
+)
+
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A process-wide setting xla_tp makes once and cannot take back (what reads it caches it)."""
+
+    name: str
+    target: str
+    written_for: str
+    why: str
+    where: str  # the code that makes it
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("post_optimization_hlo", "XLA_DUMP_POST_OPTIMIZATIONS, as torch_xla reads it at the process's first HLO "
+            "query", TORCH_XLA,
+            "the audit reads the program torch_xla's own compiler partitions (jaxlib's XLA partitions some programs "
+            "differently); when the variable is unset, the audit's first HLO query sets it for that query "
+            "(os.environ is as it was after), and every later HLO query of the process returns partitioned programs",
+            "xla_tp.auditing.capture:_torch_xla_hlo"),
 )
 
 _lock = threading.RLock()

@@ -1,16 +1,23 @@
 """The per-device program XLA compiles for pending XLA tensors, read without executing it.
 
-Two routes give the same program (the SPMD partitioner is GSPMD in both):
+Two routes (the SPMD partitioner is GSPMD in both):
 
-- ``XLA_DUMP_POST_OPTIMIZATIONS=1`` set before the process's first HLO query (README, "torch_xla behaviours"): torch_xla
-  compiles the program itself, with the device's own compiler, and returns the partitioned HLO.
-- Otherwise torch_xla hands out the program it would compile: pre-optimisation HLO carrying
+- torch_xla compiles the program itself, with the device's own compiler, and returns the
+  partitioned HLO. It does when ``XLA_DUMP_POST_OPTIMIZATIONS=1`` is set at the process's first HLO
+  query (torch_xla reads it then, once: README, "torch_xla behaviours"). When the variable is not
+  set, the first capture sets it for that query (``os.environ`` is as it was after; ``compat.SETTINGS``):
+  every later HLO query of the process then returns partitioned programs too.
+- Otherwise (the process queried HLO before with the variable unset, or set it to ``0``) torch_xla
+  hands out the program it would compile: pre-optimisation HLO carrying
   every parameter's and constraint's sharding, with weights as parameters (no values). jaxlib's
   XLA compiles that text for as many partitions as torch_xla has devices, on its own CPU client.
   Nothing of the process changes and no tensor is read or copied: only the program travels, so
   it works at any model size and from any script. It needs ``jaxlib`` (``pip install
   'xla_tp[jax]'``); on TPU it shows what the CPU compiler makes of the program (the same
-  partitioning; reduce-scatters may appear as all-reduce + dynamic-slice).
+  partitioning; reduce-scatters may appear as all-reduce + dynamic-slice). jaxlib's XLA is not
+  torch_xla's: it partitions some programs differently (the scatters and gathers of a
+  mixture-of-experts layer's slots, all-gathered there), which is why the first route is taken
+  wherever it can be. ``route()`` says which one the process takes.
 
 Example::
 
@@ -27,13 +34,33 @@ from typing import Any
 import numpy as np
 
 _ENTRY_RE = re.compile(r"^ENTRY\s+%?([\w.\-]+)", re.M)
+POST_OPTIMIZATIONS = "XLA_DUMP_POST_OPTIMIZATIONS"
+_route: list[str] = []  # "device" or "jaxlib", once the process's first capture knows
 JAXLIB_HINT = ("install jaxlib (pip install 'xla_tp[jax]', which pins jax==0.7.1 jaxlib==0.7.1), or set "
                "XLA_DUMP_POST_OPTIMIZATIONS=1 in the environment before the process starts")
 
 
 def post_optimization_hlo_enabled() -> bool:
     """True when torch_xla's HLO queries return partitioned HLO (the variable is set)."""
-    return os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true")
+    return os.environ.get(POST_OPTIMIZATIONS, "").lower() in ("1", "true")
+
+
+def route() -> str:
+    """``"device"`` when torch_xla's own compiler partitions the captured programs, ``"jaxlib"`` when
+    jaxlib's XLA does, ``"unknown"`` before the first capture."""
+    return _route[0] if _route else "unknown"
+
+
+def _torch_xla_hlo(tensors: list) -> str:
+    """torch_xla's HLO of ``tensors``, asking for the partitioned program (see the module docstring)."""
+    import torch_xla  # lazy, as in capture_partitioned_hlo
+    if POST_OPTIMIZATIONS in os.environ:
+        return torch_xla._XLAC._get_xla_tensors_hlo(tensors)
+    os.environ[POST_OPTIMIZATIONS] = "1"
+    try:
+        return torch_xla._XLAC._get_xla_tensors_hlo(tensors)
+    finally:
+        del os.environ[POST_OPTIMIZATIONS]
 
 
 def capture_partitioned_hlo(tensors: list) -> str:
@@ -42,18 +69,19 @@ def capture_partitioned_hlo(tensors: list) -> str:
     Needs SPMD on (``torch_xla.runtime.use_spmd()``, done by ``make_mesh``). Compiles, does not
     execute. Example: ``parse_collectives(capture_partitioned_hlo([model(x)]))``.
     """
-    import torch_xla  # lazy: keep the audit's parsing modules importable without torch_xla
-    import torch_xla.runtime as xr
+    import torch_xla.runtime as xr  # lazy: keep the audit's parsing modules importable without torch_xla
 
     if not xr.is_spmd():
         raise RuntimeError("not SPMD: call torch_xla.runtime.use_spmd() (or xla_tp.make_mesh) before "
                            "creating XLA tensors, then capture the partitioned program")
-    text = torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+    text = _torch_xla_hlo(list(tensors))
     if not text.strip():
         raise RuntimeError("no pending computation: the tensors are already materialised; capture the HLO "
                            "before .cpu() or torch_xla.sync()")
     entry = _ENTRY_RE.search(text)
-    if entry and "_spmd" in entry.group(1):
+    partitioned = bool(entry and "_spmd" in entry.group(1))
+    _route[:] = ["device" if partitioned else "jaxlib"]
+    if partitioned:
         return text
     if post_optimization_hlo_enabled():
         raise RuntimeError(f"torch_xla returned HLO that is not partitioned (ENTRY {entry.group(1) if entry else '?'}) "

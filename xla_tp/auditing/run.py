@@ -9,8 +9,8 @@ forward that fails raises the model's own error.
 
 The layout that defines the communication minimum is every layout applied to the module, merged
 (``layout_of``: a model parallelized in several calls is audited against all of them). The
-partitioned program comes from ``capture_partitioned_hlo``: torch_xla's own compiler when
-``XLA_DUMP_POST_OPTIMIZATIONS=1`` was set at start-up, jaxlib's XLA otherwise. Example::
+partitioned program comes from ``capture_partitioned_hlo``: torch_xla's own compiler, unless the
+process read torch_xla's HLO before with ``XLA_DUMP_POST_OPTIMIZATIONS`` unset (then jaxlib's XLA). Example::
 
     report = audit(model, tokens, mesh=mesh, backward=True)
     assert report.count("all-gather") == 0
@@ -36,7 +36,7 @@ from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
 from ..plan.layout import Layout, uses_axis
 from ..state import constraint_handles, layout_of
-from .capture import capture_partitioned_hlo, post_optimization_hlo_enabled
+from .capture import capture_partitioned_hlo, route
 from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
 from .minimum import ActivationRecorder, Expected, minimum_collectives
 from .params import local_numel, param_bytes, sharding_string
@@ -102,9 +102,10 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
         set_minimum(report, calls, module, layout, found)
     else:
         report.notes.append("no plan layout: the communication minimum is unknown")
-    if not post_optimization_hlo_enabled():
-        report.notes.append("partitioned by jaxlib's XLA for CPU (XLA_DUMP_POST_OPTIMIZATIONS was not set at "
-                            "start-up; set it to read the device compiler's own program)")
+    if route() == "jaxlib":
+        report.notes.append("partitioned by jaxlib's XLA for CPU, which may partition some programs differently "
+                            "(this process read torch_xla's HLO before with XLA_DUMP_POST_OPTIMIZATIONS unset; set "
+                            "it at start-up to read the device compiler's own program)")
     return report
 
 

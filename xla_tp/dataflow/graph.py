@@ -73,6 +73,8 @@ class Graph:
     params: dict[str, Value] = field(default_factory=dict)  # every name of a (tied) parameter
     inputs: list[Value] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
+    # what analyses derive from the trace alone, kept for the next question (``regions.explored``)
+    derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def new_value(self, t: torch.Tensor, kind: str, name: str = "", producer: Optional[Node] = None,
                   dynamic: bool = False) -> Value:

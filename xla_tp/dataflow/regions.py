@@ -20,6 +20,7 @@ contracts) is ``copied`` instead: every device computes all of it, the other blo
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -112,6 +113,15 @@ def is_attention(node: Node) -> bool:
         return True
     spec = contraction(node) if node.op in ("matmul", "rmatmul", "bmm", "baddbmm", "einsum") else None
     return spec is not None and sum(1 for v, _ in spec.operands if v.dynamic) >= 2
+
+
+def explored(graph: Graph) -> list[Region]:
+    """``explore`` of every projection of ``graph``, in call order: computed once per graph (the planner
+    prices each mesh a launcher considers on the same trace), each call handed its own copies (a
+    planner may set a copy's ``stop``)."""
+    if "regions" not in graph.derived:
+        graph.derived["regions"] = [explore(graph, p) for p in projections(graph)]
+    return [dataclasses.replace(r) for r in graph.derived["regions"]]
 
 
 def explore(graph: Graph, proj: Projection) -> Region:

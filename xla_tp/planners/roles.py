@@ -34,7 +34,7 @@ from typing import Optional
 
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.patches import patches
-from ..dataflow.regions import Projection, Region, describe, explore, projections
+from ..dataflow.regions import Projection, Region, describe, explored
 from ..plan.packing import Packing
 from ..plan.subaxis import sub_axis
 from .alternatives import Choice, Pick, blocks_of, choose
@@ -108,8 +108,7 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
     a packed block may be copied to every device (``Region.copied``; not for a model on meta); ``routed``:
     nodes that multiply tokens by routed expert weights (not attention: ``planners.experts``)."""
     roles = Roles()
-    projs = projections(graph)
-    regions = [explore(graph, p) for p in projs]
+    regions = explored(graph)
     for r in regions:
         if r.copied and not copies:  # a model on meta: its own init would make the copies differ
             r.stop = f"a block of it ({next(iter(r.copied.values()))}) would be copied to every device, which " \
