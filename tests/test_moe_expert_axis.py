@@ -76,3 +76,14 @@ def test_the_launchers_check_compares_re_laid_experts_in_the_order_written():
     errors = compare_one_step(cpu, parallelizer("auto", mesh, moe=True), ids, ids, lambda t: t.to(torch_xla.device()),
                               causal_or_masked_loss("causal-lm"))
     assert max(errors.values()) < 1e-4, errors
+
+
+def test_fsdp_expert_and_model_axes_train_like_cpu():
+    """fsdp=2 x expert=2 x model=2: the batch over fsdp and expert, the experts over expert, their features
+    over model, every weight also sharded over fsdp; a training step equals the CPU model's."""
+    cpu, ref, model, out = trained("mixtral", xla_tp.make_mesh(fsdp=2, expert=2, model=2))
+    assert max_err(out.logits, ref.logits) < 1e-4
+    got = original_grads(model)
+    assert max(max_err(got[n], p.grad) for n, p in cpu.named_parameters()) < 1e-4
+    w = model.model.layers[0].mlp.experts.gate_up_proj
+    assert local_numel(tuple(w.shape), sharding_string(w)) * 8 == w.numel()  # experts x features x fsdp shards
