@@ -106,7 +106,8 @@ def test_to_module_gives_the_trained_torch_model(trained):
 
 
 def test_moe_model_with_eager_experts_runs_and_keeps_experts_split():
-    """transformers' eager experts (``nonzero``: no static shape under jit) run as its batched ones."""
+    """transformers' eager experts (``nonzero``: no static shape under jit) run as its batched ones, in the
+    program and in the audit."""
     torch.manual_seed(0)
     model = moe_models.build("mixtral").eval()  # experts_implementation="eager"
     tokens = torch.randint(0, 128, (4, 16))
@@ -116,3 +117,5 @@ def test_moe_model_with_eager_experts_runs_and_keeps_experts_split():
     assert max_err(jm(tokens).logits, ref) < 1e-4
     assert model.config._experts_implementation == "eager"  # put back after the traced call
     assert jm.params["model.layers.0.mlp.experts.down_proj"].sharding.spec[0] == "model"  # expert-parallel
+    report = jm.audit(tokens)  # its recorder runs them as batched ones too (eager's nonzero fails on fake tensors)
+    assert report.count("all-reduce") >= 3 and report.compute_balance is not None

@@ -25,6 +25,7 @@ from ...auditing.minimum import ActivationRecorder
 from ...auditing.report import AuditReport
 from ...auditing.run import report_from_hlo, set_minimum
 from ...constraints import Constrainer, register_hooks
+from ...dataflow.routing import batched_experts
 from ...plan.layout import Layout
 from .mesh import device_ids
 from .program import Outputs, call_module
@@ -95,9 +96,10 @@ class _CopySharder:
 
 def record_calls(module: torch.nn.Module, layout: Layout, args: tuple, kwargs: dict) -> list:
     """The planned modules' calls (inputs, outputs) in a forward on fake tensors: shapes, dtypes
-    and ``requires_grad`` as in the real forward, no compute."""
+    and ``requires_grad`` as in the real forward (experts layers through ``batched_mm``, as the jitted
+    program runs them), no compute."""
     args, kwargs = jax.tree.map(lambda x: to_torch(x) if isinstance(x, jax.Array) else x, (args, kwargs))
-    with FakeTensorMode() as mode, torchax_tracing(), torch.enable_grad():
+    with FakeTensorMode() as mode, torchax_tracing(), torch.enable_grad(), batched_experts(module):
         state = {n: mode.from_tensor(t) for n, t in [*module.named_parameters(), *module.named_buffers()]}
         args, kwargs = torch_pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
         handles = register_hooks(module, layout, Constrainer(_CopySharder(), layout))  # first, as on the real backends
