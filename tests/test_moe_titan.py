@@ -54,3 +54,16 @@ def test_torchtitan_deepseek_v3_with_its_own_plans_trains_like_cpu(reference, ex
     got = grads(model)
     assert max(max_err(got[n], p.grad) for n, p in cpu.named_parameters()) < 1e-4
     assert sharding_string(w1.grad) == sharding_string(w1)
+
+
+def test_experts_on_the_expert_slice_are_refused_with_the_slice_that_works(reference):
+    """torchtitan's usual EP mesh (``world["ep"]``) is xla_tp's expert axis, which carries the batch: one line
+    naming the slice that works, and the experts left as they were."""
+    cpu, _, _ = reference
+    model = copy.deepcopy(cpu)
+    world = xla_tp.init_device_mesh("xla", (2, 4), mesh_dim_names=("ep", "tp"))
+    apply_non_moe_tp(model, world["tp"], loss_parallel=True)
+    experts = model.layers["1"].moe.experts
+    with pytest.raises(xla_tp.PlanError, match=r"axis 'expert' \(ep\) carries the batch.*world\['tp'\]"):
+        apply_moe_ep_tp(model, world["tp"], world["ep"], None, etp_enabled=False)
+    assert "forward" not in experts.__dict__ and sharding_string(experts.w1) == ""

@@ -30,7 +30,7 @@ from .errors import PlanError
 from .guard import record_of
 from .lowering import packed
 from .lowering.padding import padding_problem
-from .axes import canonical_axis, mesh_axes, sizes_of
+from .axes import EXPERT, canonical_axis, mesh_axes, sizes_of
 from .mesh import MeshLike, XlaDeviceMesh, to_xs_mesh
 from .plan.hf import expert_packings, hf_plan
 from .plan.layout import Layout, Spec
@@ -235,6 +235,12 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
     if tp_axis not in names:
         raise PlanError(f"parallelize_module: the mesh has axes {names} and none is the tensor-parallel "
                         f"axis; pass a 1-D mesh or name one axis 'tp' or 'model'")
+    if tp_axis == EXPERT:
+        raise PlanError("parallelize_module: the mesh's axis 'expert' (ep) carries the batch: xla_tp sends each "
+                        "batch shard's tokens to the experts split over it itself (\"auto\" on a mesh with an "
+                        "expert axis), so a style cannot be applied over it; for torchtitan's ExpertParallel pass "
+                        "the tensor-parallel slice (world['tp']: the experts split over it, as torchtitan's "
+                        "expert parallelism borrowing the TP ranks)")
     if tp_axis in mesh_axes("batch"):
         raise PlanError(f"parallelize_module: the mesh's axis {tp_axis!r} carries the batch, so it cannot be "
                         f"the tensor-parallel axis; pass the tensor-parallel slice (e.g. world['tp']) or "
