@@ -63,7 +63,10 @@ def test_experts_the_expert_axis_does_not_divide_split_over_the_model_axis_with_
     assert role.why.startswith("the 6 experts do not split over the expert axis's 4 devices")
     assert "expert-parallel: 6 experts split 2 ways" in role.why
     plan = xla_tp.plan_for(build("mixtral"), mesh={"expert": 2, "model": 4})
-    assert plan.roles["model.layers.0.mlp.experts.down_proj"].axes == ("dispatched_experts", None, "mlp")
+    role = plan.roles["model.layers.0.mlp.experts.down_proj"]
+    assert role.axes == ("dispatched_experts", None, "mlp")
+    assert role.why.startswith("8 experts split 2 ways over the expert axis (4 per device)")
+    assert "the model axis splits each expert's 32 intermediate features 4 ways" in role.why
 
 
 def test_the_launchers_check_compares_re_laid_experts_in_the_order_written():

@@ -115,7 +115,9 @@ def _on_model_axis(experts: int, inter: int, tp: int, layout: Optional[str], dis
     if not dispatched:
         return choose(experts, inter, tp, layout)
     if tp > 1 and inter % tp == 0:
-        return choose(experts, inter, tp, EXPERT_TENSOR_PARALLEL)
+        return EXPERT_TENSOR_PARALLEL, (f"the model axis splits each expert's {inter} intermediate features {tp} "
+                                        f"ways (expert-tensor-parallel): one all-reduce of [tokens, hidden] per "
+                                        f"layer (one more in the backward)")
     return REPLICATED, (f"each expert whole on the model axis ({inter} intermediate features do not split {tp} ways)"
                         if tp > 1 else "no model axis to split each expert's features")
 
