@@ -7,7 +7,7 @@ import torch_xla
 import transformers
 
 import xla_tp
-from xla_tp.lowering.packed import packing_of, restore
+from xla_tp.lowering.packed import as_written
 
 from .helpers import grads
 
@@ -66,9 +66,4 @@ def trained(name: str, mesh, plan="auto"):
 
 def original_grads(model) -> dict:
     """Every gradient on the CPU, a re-laid weight's (gate and up device-major) in the original order."""
-    out = grads(model)
-    for name, g in out.items():
-        packing = packing_of(model.get_parameter(name))
-        if packing is not None:
-            out[name] = restore(g, packing)
-    return out
+    return {name: as_written(model.get_parameter(name), g) for name, g in grads(model).items()}

@@ -164,7 +164,6 @@ EFFECTS: tuple[Effect, ...] = (
 )
 
 
-
 @dataclass(frozen=True)
 class Setting:
     """A process-wide setting xla_tp makes once and cannot take back (what reads it caches it)."""

@@ -22,7 +22,7 @@ from torch import nn
 
 import xla_tp
 
-from ..lowering.packed import packing_of, restore
+from ..lowering.packed import as_written
 
 StepLoss = Callable[[nn.Module, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
@@ -39,13 +39,6 @@ def one_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
         torch_xla.sync()   # one program for everything, not one per .cpu() read
     return {"logits": [logits.detach()], "loss": [loss.detach()], "grads": grads,
             "params": [as_written(p, p.detach()) for p in model.parameters()]}
-
-
-def as_written(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``t`` (``p`` or its gradient) in the order of the model as written: a weight the layout re-laid
-    (packed projections, gate and up of experts: device-major) is put back."""
-    packing = packing_of(p)
-    return t if packing is None else restore(t, packing)
 
 
 def parallelizer(plan: Any, mesh: Any, moe: bool = False) -> Callable[[nn.Module], nn.Module]:

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..axes import spec_entry
 from . import slots as slotting
 
 Gate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -80,9 +81,8 @@ class ExpertSet:
         and over the batch axes on ``G``: routing tables stay whole on the model axis."""
         if self.sharder is None:
             return x
-        batch = (self.batch if len(self.batch) > 1 else self.batch[0]) if self.batch else None
         head = (self.axis if self.chunks > 1 else None,) if chunked else ()
-        return self.sharder.constrain(x, (*head, batch, *[None] * (x.dim() - 1 - len(head))))
+        return self.sharder.constrain(x, (*head, spec_entry(self.batch), *[None] * (x.dim() - 1 - len(head))))
 
     def to_experts(self, slots: torch.Tensor) -> torch.Tensor:
         """Slots ``[t, G, e, C, H]``, filled where their tokens are (``G`` split over the batch axes),
@@ -99,9 +99,8 @@ class ExpertSet:
 
     def _at_experts(self, x: torch.Tensor) -> torch.Tensor:
         rest = tuple(a for a in self.batch if a != self.ep_axis)
-        batch = (rest if len(rest) > 1 else rest[0]) if rest else None
         head = self.axis if self.chunks > 1 else None
-        return self.sharder.constrain(x, (head, batch, self.ep_axis, *[None] * (x.dim() - 3)))
+        return self.sharder.constrain(x, (head, spec_entry(rest), self.ep_axis, *[None] * (x.dim() - 3)))
 
 
 def _chunked_weights(es: ExpertSet, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +135,15 @@ def _chunked_slots(es: ExpertSet, table: torch.Tensor) -> torch.Tensor:
     return table.view(groups, es.chunks, n // es.chunks).transpose(0, 1)
 
 
+def _groups(es: ExpertSet, tokens: int) -> int:
+    """Routing groups for ``tokens`` tokens: one per batch shard, or one in all where they do not divide."""
+    return es.groups if tokens % es.groups == 0 else 1
+
+
 def even(es: ExpertSet, tokens: int, top_k: int, experts: int) -> tuple[ExpertSet, int]:
     """The unsharded reference of ``es`` (the audit's, lowering suspended) and its capacity: an even
     routing, whose expert FLOPs are the model's active-expert FLOPs."""
-    groups = es.groups if tokens % es.groups == 0 else 1
+    groups = _groups(es, tokens)
     return ExpertSet("replicated", 1, groups=groups, weights=es.weights), max(1, math.ceil(tokens // groups * top_k / experts))
 
 
@@ -148,7 +152,7 @@ def dispatched_numel(es: ExpertSet, tokens: int, top_k: int, experts: int, width
     the device's routing groups, ``G / batch shards x E x C x H``."""
     if es.ep_axis is None:
         return 0
-    groups = es.groups if tokens % es.groups == 0 else 1
+    groups = _groups(es, tokens)
     slots = slotting.capacity(tokens // groups, top_k, experts, es.options.capacity_factor, es.options.dropless)
     shards = math.prod(sizes.get(a, 1) for a in es.batch)
     return max(1, groups // shards) * experts * slots * width
@@ -162,7 +166,7 @@ def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.T
     is stacked) and the down projection's (``[E, H]``)."""
     tokens, width = hidden.shape
     experts, k = gate_up.shape[0], ids.shape[-1]
-    groups = es.groups if tokens % es.groups == 0 else 1
+    groups = _groups(es, tokens)
     per_group = tokens // groups
     if capacity is None:
         capacity = slotting.capacity(per_group, k, experts, es.options.capacity_factor, es.options.dropless)

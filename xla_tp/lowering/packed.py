@@ -51,6 +51,13 @@ def restore(t: torch.Tensor, packing: Packing) -> torch.Tensor:
     return t.index_select(packing.dim, packing.inverse().to(t.device))
 
 
+def as_written(p: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``t`` (``p``'s value or gradient) in the order of the model as written: put back if the layout re-laid
+    ``p`` (packed projections, experts' gate and up: device-major)."""
+    packing = packing_of(p)
+    return t if packing is None else restore(t, packing)
+
+
 def relayout(owner: nn.Module, name: str, packing: Packing) -> list[Any]:
     """Permute ``owner.<name>`` (in its original order) device-major in place, same Parameter object;
     the handles of the state-dict hooks that show and take the original order."""
