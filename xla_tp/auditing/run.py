@@ -184,13 +184,25 @@ def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
     """
     device = next((p.device for p in module.parameters()), torch.device("xla"))
     # the model as written: a weight padded with zero heads (or grown by copies) takes its original shape
-    params = {n: torch.randn(original_shape(p), dtype=p.dtype, device=device).requires_grad_(p.requires_grad)
+    params = {n: _distinct(original_shape(p), p.dtype, device, i).requires_grad_(p.requires_grad)
               if p.is_floating_point() else p.detach().cpu().to(device)
-              for n, p in module.named_parameters()}
+              for i, (n, p) in enumerate(module.named_parameters())}
     plain = tuple(a.detach().cpu().to(device).requires_grad_(a.requires_grad)
                   if isinstance(a, torch.Tensor) else a for a in args)
     with _suspended_hooks(module), scope.suspended():
         return dot_flops(capture_partitioned_hlo(_outputs(module, plain, backward, params)))
+
+
+def _distinct(shape: torch.Size, dtype: torch.dtype, device: torch.device, index: int) -> torch.Tensor:
+    """Values no two parameters share, made in the program from one small vector per dimension
+    (``w[i, j] = i + j + index``; nothing the size of the weight exists on the host or a device).
+    Equal values would let XLA merge equal dots (two same-shape projections as one), random ones
+    make the program's RNG most of its compile time (2-4x on small models), and torch_xla's
+    ``arange`` is a constant the size of the weight."""
+    out = torch.full((1,) * len(shape), float(index)).to(device)
+    for d, n in enumerate(shape):
+        out = out + torch.arange(n, dtype=torch.float32).to(device).view([-1 if i == d else 1 for i in range(len(shape))])
+    return out.expand(shape).to(dtype) if shape else out.reshape(()).to(dtype)
 
 
 class _suspended_hooks:
