@@ -13,6 +13,7 @@ from xla_tp.zoo import registry
 
 from .helpers import MLP
 from .helpers_jax import ensure_cpu_devices  # noqa: F401  (jax's 8 devices first)
+from .looped_moe import Decoder, OneHotMoe
 
 
 @pytest.mark.parametrize("mesh, message", [
@@ -69,3 +70,13 @@ def test_arguments_and_outputs_that_cannot_cross_jit():
         jm(tokens, labels=object())
     with pytest.raises(TypeError, match="use_cache=False"):
         jm(tokens, use_cache=True)
+
+
+def test_experts_picked_by_torch_where_are_refused_naming_the_module_and_the_backend_that_runs_them():
+    model = Decoder(OneHotMoe, layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(xla_tp.PlanError, match=r"parallelize_jax: moes.0 picks its experts' tokens with torch.where"
+                                                r".*parallelize it with parallelize_xla"):
+        xla_tp.parallelize_jax(model, "auto", mesh={"data": 2, "model": 4})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert xla_tp.state_of(model) is None

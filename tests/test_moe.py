@@ -177,25 +177,13 @@ def test_hf_moe_strings_lower_to_the_experts_layouts(mesh, plan, layout):
     assert report.count("collective-permute") == 0 and report.count("all-to-all") == 0  # gate/up re-laid as HF's
 
 
-class _LoopedExperts(torch.nn.Module):
-    """The eager form: one Linear per expert, each taking the tokens ``torch.where`` finds for it."""
+class _CountedExperts(torch.nn.Module):
+    """The grouped form: rows sorted by expert, split by counts read on the host (``.tolist()``)."""
 
     def __init__(self, hidden: int = 16, experts: int = 4):
         super().__init__()
         self.gate = torch.nn.Linear(hidden, experts, bias=False)
         self.experts = torch.nn.ModuleList(torch.nn.Linear(hidden, hidden, bias=False) for _ in range(experts))
-
-    def forward(self, x):
-        weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, choice = torch.where(ids == e)
-            out = out.index_add(0, token, expert(x[token]) * weights[token, choice, None])
-        return out
-
-
-class _CountedExperts(_LoopedExperts):
-    """The grouped form: rows sorted by expert, split by counts read on the host (``.tolist()``)."""
 
     def forward(self, x):
         weights, ids = torch.topk(self.gate(x).softmax(-1), 2)
@@ -206,12 +194,13 @@ class _CountedExperts(_LoopedExperts):
         return torch.zeros_like(x).index_add(0, order // 2, routed)
 
 
-@pytest.mark.parametrize("layer,op", [(_LoopedExperts, "nonzero"), (_CountedExperts, "_local_scalar_dense")])
-def test_experts_chosen_by_value_are_refused_with_what_to_do(mesh, layer, op):
+def test_experts_counted_on_the_host_are_refused_with_what_to_do(mesh):
+    """(Experts picking their tokens with torch.where are planned: tests/test_moe_looped.py.)"""
     torch.manual_seed(0)
     x = torch.randn(8, 16)
-    layer()(x)  # runs on the CPU
-    model = torch.nn.Sequential(OrderedDict(moe=layer()))
+    _CountedExperts()(x)  # runs on the CPU
+    model = torch.nn.Sequential(OrderedDict(moe=_CountedExperts()))
+    op = "_local_scalar_dense"
     with pytest.raises(xla_tp.PlanError, match=rf"{op}.* in moe.* needs the tensors. values.*"
                                                 r"pass a plan instead of 'auto'"):
         xla_tp.plan_for(model, mesh=mesh, example_inputs=(x,))

@@ -92,7 +92,9 @@ def current():
             "at": torch.Tensor.__matmul__, "mha": F.multi_head_attention_forward, "layer_norm": F.layer_norm,
             "embedding": F.embedding, "linear": F.linear, "addmm": torch.addmm, "getitem": torch.Tensor.__getitem__,
             "bridge": dynamo_bridge.extract_graph_helper, "torch.xla": getattr(torch, "xla", None),
-            "optimizer_hooks": (len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks))}
+            "optimizer_hooks": (len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks)),
+            "where": torch.where, "nonzero": torch.nonzero, "tensor_nonzero": torch.Tensor.nonzero,
+            "histc": torch.histc, "tensor_histc": torch.Tensor.histc}
 
 before = current()
 import xla_tp
@@ -129,8 +131,9 @@ def test_torch_functions_are_the_originals_once_no_parallelized_model_remains():
     one (or once it is garbage-collected) every function is torch's own object again, the optimizer
     hooks and ``torch.xla`` are gone, and the model carries nothing of xla_tp."""
     out = json.loads(run_fresh(ORIGINALS, fast_compile=True).strip().splitlines()[-1])
-    everything = ["addmm", "at", "bridge", "embedding", "getitem", "layer_norm", "linear", "matmul", "mha",
-                  "optimizer_hooks", "sdpa", "tensor_matmul", "torch.xla"]
+    everything = ["addmm", "at", "bridge", "embedding", "getitem", "histc", "layer_norm", "linear", "matmul", "mha",
+                  "nonzero", "optimizer_hooks", "sdpa", "tensor_histc", "tensor_matmul", "tensor_nonzero", "torch.xla",
+                  "where"]
     assert out["while_parallelized"] == everything
     assert out["one_left"] == everything
     assert out["none_left"] == [] and out["installed"] == []

@@ -126,6 +126,13 @@ EFFECTS: tuple[Effect, ...] = (
            "XLA has no histogram of integers (MoE routers and auxiliary losses count expert choices with it): "
            "comparisons of static shape", replace("torch.histc", f"{_ENTRY}:histc")),
     Effect("tensor_histc", "torch.Tensor.histc", TORCH_XLA, "as histc", replace("torch.Tensor.histc", f"{_ENTRY}:histc")),
+    Effect("where", "torch.where", TORCH_XLA,
+           "an MoE layer looping over per-expert modules picks each one's tokens with torch.where(mask): a "
+           "data-dependent shape, read on the host and compiled again per routing; static positions instead",
+           replace("torch.where", f"{_ENTRY}:where")),
+    Effect("nonzero", "torch.nonzero", TORCH_XLA, "as where (as_tuple=True)", replace("torch.nonzero", f"{_ENTRY}:nonzero")),
+    Effect("tensor_nonzero", "torch.Tensor.nonzero", TORCH_XLA, "as where (as_tuple=True)",
+           replace("torch.Tensor.nonzero", f"{_ENTRY}:nonzero")),
     Effect("getitem", "torch.Tensor.__getitem__", TORCH_XLA,
            "torch_xla raises 'Value out of range' for a slice bound past a dimension (transformers' "
            "sliding-window caches do it) where the CPU clamps: retried clamped",

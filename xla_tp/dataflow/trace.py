@@ -91,10 +91,29 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
+SELECTIONS = ("where", "nonzero")  # one-argument where / nonzero(as_tuple=True): positions chosen by value
+
+
+def is_selection(name: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call picks positions by value (``torch.where(mask)``, ``mask.nonzero(as_tuple=True)``)."""
+    return name in SELECTIONS and len(args) == 1 and (name == "where" and not kwargs or
+                                                       name == "nonzero" and kwargs == {"as_tuple": True})
+
+
+def selections(graph: Graph) -> list[Node]:
+    """The calls of ``graph`` that pick positions by value (``is_selection``)."""
+    return [n for n in graph.nodes if is_selection(n.op, n.args, n.kwargs)]
+
+
 def _call(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)``; a histogram of integers (MoE routers count expert choices so; fake
-    tensors, like the CPU, count floats only) as one of floats."""
+    tensors, like the CPU, count floats only) as one of floats; positions picked by value (an MoE
+    layer looping over its experts) as every position of the mask, ordered by it: the shape the
+    lowering's dropless selection has (``lowering.selected``)."""
     first = args[0] if args else None
+    if isinstance(first, torch.Tensor) and is_selection(name, args, kwargs):
+        order = torch.argsort((first.reshape(-1) == 0).to(torch.uint8), stable=True)
+        return torch.unravel_index(order, tuple(first.shape))
     if name == "histc" and isinstance(first, torch.Tensor) and not first.is_floating_point():
         return func(first.float(), *args[1:], **kwargs).to(first.dtype)
     return func(*args, **kwargs)
@@ -149,10 +168,10 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
         except (DynamicOutputShapeException, DataDependentOutputException) as e:  # what example inputs cannot fix
             raise (MadeUpInputError if made_up else PlanError)(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
                             f"layout: {e.func} in {_last_module(graph)} needs the tensors' values (a shape from "
-                            f"torch.where/nonzero, a number from .tolist()/.item(): experts chosen one by one, "
-                            f"tokens counted per expert); pass a plan instead of 'auto', or hold the experts in "
-                            f"[experts, ...] weights indexed by the router's top-k ids, as transformers' MoE models "
-                            f"do") from e
+                            f"nonzero() or a boolean mask, a number from .tolist()/.item(): tokens counted per "
+                            f"expert); pass a plan instead of 'auto', or pick each expert's tokens with "
+                            f"torch.where(mask) (or nonzero(as_tuple=True)), or hold the experts in [experts, ...] "
+                            f"weights indexed by the router's top-k ids, as transformers' MoE models do") from e
         except Exception as e:  # the model's own error, surfaced with what to do
             error = MadeUpInputError if made_up else PlanError
             raise error(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "

@@ -5,7 +5,8 @@ where ``entry``'s rewrites act, and the packed-output mode around the modules th
 packed projection), and what the model's dataflow says about it (``find``): column groups with one
 fused input gradient (``groups``) and vocabulary-parallel embeddings with per-device weight gradients,
 reduced once with a tied LM head's (``embedding``, ``tied``), and mixture-of-experts layers run in
-static slots split as their weights are (``routed``, ``experts``). ``find`` reads a forward of the model
+static slots split as their weights are (``routed``, ``experts``; those that loop over per-expert
+modules, at static positions: ``selection``, ``selected``). ``find`` reads a forward of the model
 traced on fake tensors: the planner's, or one on a synthesised input; a model whose forward cannot be
 traced without its real arguments is found at its first call (``state.pending``), from a trace of
 that call that leaves the arguments untouched. Example::
@@ -29,7 +30,9 @@ from . import scope
 from .attention import use_flash_attention
 from .embedding import install_embedding, uninstall_embeddings
 from .groups import install_group, uninstall_groups
+from .experts import MoeOptions
 from .routed import install_experts, uninstall_experts
+from .selection import install_sites, uninstall_sites
 from .sites import batch_replicas, find_groups, packed_sites, vocab_tables
 from .tied import install_tie, tied_heads
 
@@ -106,6 +109,8 @@ def find(root: nn.Module, state: ModelState, graph: Graph, embeddings: bool = Tr
     for members in groups:
         install_group([modules[fqn] for fqn in members], state.tp)
     state.experts = install_experts(root, state, graph, layout)
+    state.moe_options = state.moe_options or MoeOptions()
+    state.experts += install_sites(root, graph, layout, state.moe_options, state.mesh)
     state.groups, state.tables, state.pending = [tuple(g) for g in groups], [fqn for fqn, _, _ in tables], False
 
 
@@ -114,6 +119,7 @@ def uninstall(root: nn.Module) -> None:
     uninstall_groups(root)
     uninstall_embeddings(root)
     uninstall_experts(root)
+    uninstall_sites(root)
     for _, _, state in states_under(root):
         state.groups, state.tables, state.experts = [], [], []
 

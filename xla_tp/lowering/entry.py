@@ -13,6 +13,8 @@ cost of a Python call:
   (``tied``), and re-laid packed projections' outputs tagged for the model's own slicing (``mode``);
 - ``histc``: XLA has no histogram of integers (routers and MoE auxiliary losses count expert choices
   with it): comparisons of static shape (``slots.histogram``);
+- ``where``, ``nonzero``: an expert's tokens chosen by value (``torch.where(ids == e)``) in an MoE
+  module that loops over its experts: a static number of positions (``selection``);
 - ``getitem``: torch_xla 2.9 raises ``Value out of range`` for a slice bound past a dimension
   (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do), where the CPU
   clamps: the replacement retries clamped;
@@ -36,8 +38,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from ..state import param_state
-from . import attention, copies, embedding as vocab, packed, scope, slots, tied, transposed
+from . import attention, copies, embedding as vocab, packed, scope, selection, slots, tied, transposed
 from .mode import active
+from .selected import indexed_dims
 
 
 def _is_xla(t: Any) -> bool:
@@ -64,16 +67,8 @@ def clamp_slices(index: Any, shape: tuple[int, ...]) -> Any:
     items = index if isinstance(index, tuple) else (index,)
     if not any(isinstance(i, slice) for i in items) or any(isinstance(i, torch.Tensor) for i in items):
         return None
-    real = sum(1 for i in items if i is not None and i is not Ellipsis)
-    dims, dim = [], 0
-    for i in items:
-        dims.append(dim)
-        if i is Ellipsis:
-            dim += len(shape) - real
-        elif i is not None:
-            dim += 1
     out, changed = [], False
-    for i, d in zip(items, dims):
+    for i, d in zip(items, indexed_dims(items, len(shape))):
         if isinstance(i, slice) and d < len(shape):
             n = shape[d]
             start, stop = (None if b is None else max(-n, min(n, b)) for b in (i.start, i.stop))
@@ -132,6 +127,17 @@ def _histc(x: Any, bins: int = 100, min: float = 0, max: float = 0, **kwargs: An
 def histc(original: Callable[..., Any]) -> Callable[..., Any]:
     """Inside a parallelized model, its unsharded reference (the audit's) included: it is not a layout."""
     return _lowered(original, _histc, when=scope.inside)
+
+
+def where(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.where(mask)`` inside a selection site (an MoE module that loops over its experts):
+    static positions (``selection``)."""
+    return _lowered(original, selection.where)
+
+
+def nonzero(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``nonzero(as_tuple=True)``: as ``where``."""
+    return _lowered(original, selection.nonzero)
 
 
 def sdpa(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -42,6 +42,7 @@ from ..state import ModelState, ensure_param_state, param_state, states_under
 from . import scope
 from .experts import ExpertSet, MoeOptions, dispatched_numel, even, run
 from .grouped import GroupedForward, install_grouped
+from .selection import site_of
 
 FALLBACK = "batched_mm"
 class _ExpertSets:
@@ -245,11 +246,11 @@ def moe_report(model: nn.Module) -> dict[str, dict[str, Any]]:
     dropped assignments (reading ``dropped`` runs the pending program if it has not run)."""
     out = {}
     for fqn, module in model.named_modules():
-        es = expert_set(module)
+        es = expert_set(module) or site_of(module)
         if es is None:
             continue
         dropped = es.last.get("dropped")
-        out[fqn] = {"layout": es.layout, "expert_axis": es.ep_axis, "capacity_factor": es.options.capacity_factor,
-                    "dropless": es.options.dropless, "routed": es.last.get("routed", 0),
+        out[fqn] = {"layout": es.layout, "expert_axis": getattr(es, "ep_axis", None), "capacity_factor": es.options.capacity_factor,
+                    "dropless": es.options.dropless, "routed": int(es.last.get("routed", 0)),
                     "dropped": int(dropped) if dropped is not None else 0}
     return out

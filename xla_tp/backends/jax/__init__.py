@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Union
 from torch import nn
 
 from ...api import PlanLike, begin, install_lowering, layout_for, resolve_plan
+from ...dataflow.trace import selections
 from ...errors import PlanError
 from ...mesh import canonical_axis
 
@@ -59,6 +60,12 @@ def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh
     axes = {str(k): int(v) for k, v in jmesh.shape.items()}
     tp_axis = canonical_axis(tp_axis)
     plan = resolve_plan(model, plan, axes, tp_axis)
+    picking = selections(plan.graph) if plan.graph is not None else []
+    if picking:
+        raise PlanError(f"parallelize_jax: {picking[0].module or type(model).__name__} picks its experts' tokens with "
+                        f"torch.where (a shape known only from the values, which jit cannot compile); parallelize "
+                        f"it with parallelize_xla, whose lowering gives the positions a static size, or hold the "
+                        f"experts in [experts, ...] weights indexed by the router's top-k ids")
     layout = layout_for(model, plan, axes, tp_axis, strict, lambda spec: None)
     state = begin(model, plan, layout, jmesh, axes[tp_axis], embeddings=False)
     # attention with visible heads, whoever wrote the plan, and column groups (as on torch_xla); no

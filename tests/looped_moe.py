@@ -1,0 +1,71 @@
+"""MoE models that loop over per-expert modules and pick each expert's tokens with ``torch.where``
+(the eager form, as transformers 4.x's Mixtral and most hand-written MoEs are): tiny, for tests."""
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+HIDDEN, INTER, EXPERTS, TOP_K, VOCAB = 32, 64, 8, 2, 64
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(HIDDEN, INTER, bias=False), nn.Linear(HIDDEN, INTER, bias=False)
+        self.w2 = nn.Linear(INTER, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class OneHotMoe(nn.Module):
+    """transformers 4.x's Mixtral block: a one-hot expert mask, ``hidden[None, top_x]``, in-place index_add_."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = nn.ModuleList(ExpertMLP() for _ in range(EXPERTS))
+
+    def forward(self, hidden):
+        b, s, h = hidden.shape
+        hidden = hidden.view(-1, h)
+        weights, chosen = torch.topk(F.softmax(self.gate(hidden), dim=1, dtype=torch.float), TOP_K, dim=-1)
+        weights = (weights / weights.sum(dim=-1, keepdim=True)).to(hidden.dtype)
+        out = torch.zeros((b * s, h), dtype=hidden.dtype, device=hidden.device)
+        mask = F.one_hot(chosen, num_classes=EXPERTS).permute(2, 1, 0)
+        for e in range(EXPERTS):
+            idx, top_x = torch.where(mask[e])
+            y = self.experts[e](hidden[None, top_x].reshape(-1, h)) * weights[top_x, idx, None]
+            out.index_add_(0, top_x, y.to(hidden.dtype))
+        return out.reshape(b, s, h)
+
+
+class EqualsMoe(OneHotMoe):
+    """``token, choice = (ids == e).nonzero(as_tuple=True)``, ``x[token]``, index_add out of place."""
+
+    def forward(self, hidden):
+        x = hidden.flatten(0, 1)
+        weights, ids = torch.topk(self.gate(x).softmax(-1), TOP_K)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, choice = (ids == e).nonzero(as_tuple=True)
+            out = out.index_add(0, token, expert(x[token]) * weights[token, choice, None])
+        return out.view_as(hidden)
+
+
+class Decoder(nn.Module):
+    def __init__(self, moe: type, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.norms = nn.ModuleList(nn.LayerNorm(HIDDEN) for _ in range(layers))
+        self.moes = nn.ModuleList(moe() for _ in range(layers))
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids):
+        x = self.embed(ids)
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return self.head(x)
+
+
+def batch(seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(seed))

@@ -1,0 +1,98 @@
+"""MoE layers that loop over per-expert modules (a ``ModuleList``) and pick each expert's tokens with
+``torch.where``: planned by "auto" with no example input, run at static positions (one program
+whatever the routing), equal to the CPU model when dropless, drops counted otherwise."""
+import copy
+import math
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.debug.metrics as met
+
+import xla_tp
+from xla_tp.auditing.params import local_numel, sharding_string
+
+from .helpers import max_err
+from .looped_moe import EXPERTS, HIDDEN, INTER, TOP_K, Decoder, EqualsMoe, OneHotMoe, batch
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return xla_tp.make_mesh(data=2, model=4)
+
+
+@pytest.mark.parametrize("moe", [OneHotMoe, EqualsMoe])
+def test_auto_plans_the_experts_and_trains_like_the_cpu_model_in_one_program(mesh, moe):
+    torch.manual_seed(0)
+    cpu = Decoder(moe)
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)  # no example input
+    xla_tp.set_moe_options(model, dropless=True)
+    specs = {n: sharding_string(p) for n, p in model.named_parameters()}
+    for name in ("moes.0.experts.3.w1.weight", "moes.1.experts.7.w2.weight"):  # split 4 ways, each expert
+        assert local_numel((INTER, HIDDEN), specs[name]) * 4 == INTER * HIDDEN, specs
+    assert specs["moes.0.gate.weight"] in ("", "{replicated}"), specs  # the router computes its choice whole
+    compiles = []
+    for step in range(3):
+        ids = batch(step)
+        met.clear_all()
+        out, ref = model(ids.to(torch_xla.device())), cpu(ids)
+        out.square().mean().backward()
+        ref.square().mean().backward()
+        torch_xla.sync()
+        compiles.append(met.counter_value("UncachedCompile") or 0)
+        assert max_err(out, ref) < 1e-4
+        assert {n: (r["routed"], r["dropped"]) for n, r in xla_tp.moe_report(model).items()} == {
+            f"moes.{i}": (64 * TOP_K, 0) for i in range(2)}
+    assert compiles[2] == 0, compiles  # another routing, the same program
+    grads = dict(cpu.named_parameters())
+    assert max(max_err(p.grad, grads[n].grad) for n, p in model.named_parameters()) < 1e-4
+    for p in model.parameters():
+        p.grad = None
+    cpu.zero_grad()
+
+
+def test_capacity_drops_what_does_not_fit_and_counts_it(mesh):
+    torch.manual_seed(0)
+    cpu = Decoder(OneHotMoe, layers=1)
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    xla_tp.set_moe_options(model, capacity_factor=1.0)
+    ids = batch(7)
+    out = model(ids.to(torch_xla.device()))
+    torch_xla.sync()
+    hidden = cpu.norms[0](cpu.embed(ids)).flatten(0, 1)
+    chosen = torch.topk(cpu.moes[0].gate(hidden), TOP_K).indices.view(2, -1)  # one group per data shard
+    capacity = math.ceil(chosen.shape[1] / EXPERTS)  # per group, capacity factor 1
+    want = sum(int((torch.bincount(c, minlength=EXPERTS) - capacity).clamp(min=0).sum()) for c in chosen)
+    report = xla_tp.moe_report(model)["moes.0"]
+    assert want > 0 and (report["routed"], report["dropped"]) == (chosen.numel(), want), (report, want)
+    assert max_err(out, cpu(ids)) > 1e-3  # dropped tokens skip their experts
+
+
+def test_positions_read_other_than_as_an_index_leave_the_layer_data_dependent(mesh):
+    class Flipped(OneHotMoe):
+        def forward(self, hidden):
+            x = hidden.flatten(0, 1)
+            weights, ids = torch.topk(self.gate(x).softmax(-1), TOP_K)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                token, choice = torch.where(ids == e)
+                token, choice = token.flip(0), choice.flip(0)  # a reader the static positions do not serve
+                out = out.index_add(0, token, expert(x[token]) * weights[token, choice, None])
+            return out.view_as(hidden)
+
+    torch.manual_seed(0)
+    cpu = Decoder(Flipped, layers=1)
+    with pytest.warns(UserWarning, match=r"moes.0 picks tokens with torch.where and reads the positions with 'flip'"):
+        model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    assert xla_tp.moe_report(model) == {}
+    ids = batch(3)
+    assert max_err(model(ids.to(torch_xla.device())), cpu(ids)) < 1e-4
+
+
+def test_tokens_stay_on_their_data_shard_one_all_reduce_per_expert(mesh):
+    """Positions are chosen within each batch shard and read there: no gather over the data axis."""
+    torch.manual_seed(0)
+    model = xla_tp.parallelize_xla(Decoder(OneHotMoe, layers=1), "auto", mesh=mesh)
+    report = xla_tp.audit(model, batch(0).to(torch_xla.device()), mesh=mesh)
+    assert report.count("all-gather") == 0 and report.count("collective-permute") == 0, report
+    assert report.count("all-reduce") == EXPERTS + 1 and report.comm_ratio == pytest.approx(1.0), report

@@ -1,0 +1,128 @@
+"""Selection sites: the MoE modules whose experts pick their tokens by value, and ``torch.where`` there.
+
+``install_sites(root, graph, ...)`` finds, in the planner's trace of ``root``, each module that calls
+``torch.where(mask)`` (or ``nonzero(as_tuple=True)``) and reads the positions only to index,
+``index_add`` or ``index_select`` (the trace takes each such call at a static size, ``dataflow.trace``),
+and hooks its forward: inside it, ``where``/``nonzero`` (installed for ``torch.where`` and
+``torch.nonzero`` by ``compat``) return ``selected.select``'s static positions, one group per batch
+shard. A module whose positions are read otherwise (``token.sort()``) is left data-dependent, with a
+warning. Each site shares its model's ``MoeOptions`` and reports in ``moe_report``. Example::
+
+    install_sites(model, graph, layout, options, mesh)   # ['layers.0.moe', 'layers.1.moe']
+    model(ids)      # each layers.*.moe's torch.where(mask[e]) gives static positions
+"""
+from __future__ import annotations
+
+import math
+import threading
+import warnings
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+import torch_xla.distributed.spmd as xs
+from torch import nn
+
+from ..backends.annotate import XlaSharder
+from ..dataflow.graph import Graph, Node
+from ..dataflow.trace import selections
+from ..plan.layout import Layout, uses_axis
+from .experts import MoeOptions
+from .selected import KEEPS, SelectionSite, select
+
+INDEXED_BY_SECOND = ("index_add", "index_add_", "index_select")  # (self, dim, index, ...)
+
+
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.sites: list[SelectionSite] = []
+
+
+_active = _Active()
+
+
+def current() -> Optional[SelectionSite]:
+    """The innermost selection site this thread's forward is in."""
+    return _active.sites[-1] if _active.sites else None
+
+
+_installed: dict[int, tuple[SelectionSite, list[Any]]] = {}  # id(module) -> its site and hooks
+
+
+def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOptions, mesh: Any) -> list[str]:
+    """A selection site on each module of ``root`` whose traced forward (``graph``) picks positions
+    by value, one selection group per shard of the batch over ``mesh``; their FQNs."""
+    sharder, batch, groups = None, (), 1
+    if isinstance(mesh, xs.Mesh):
+        sizes = dict(zip(mesh.axis_names, (int(n) for n in mesh.mesh_shape)))
+        sharder, batch = XlaSharder(mesh), tuple(a for a in layout.batch_axes if sizes.get(a, 1) > 1)
+        groups = math.prod(sizes[a] for a in batch)
+    picks = selections(graph)
+    unread = {n.module: op for n in picks for op in (_other_reader(n),) if op is not None}
+    for fqn, op in unread.items():
+        warnings.warn(f"xla_tp: {fqn or type(root).__name__} picks tokens with torch.where and reads the positions "
+                      f"with '{op}' (not only to index, index_add or index_select): left data-dependent, the program "
+                      f"is compiled again for each routing", stacklevel=4)
+    counts = Counter(n.module for n in picks if n.module not in unread)
+    for fqn, experts in counts.items():
+        module = root.get_submodule(fqn)
+        split = any(uses_axis(layout.params.get(f"{fqn}.{n}" if fqn else n, ()), layout.tp_axis)
+                    for n, _ in module.named_parameters())
+        site = SelectionSite(fqn, experts, "expert-tensor-parallel" if split else "replicated", options, {},
+                             sharder, batch, groups)
+        _installed[id(module)] = (site, _hooks(module, site))
+    return list(counts)
+
+
+def _other_reader(node: Node) -> Optional[str]:
+    """The first op reading the positions ``node`` picked other than as an index (None: every one indexes)."""
+    todo = list(node.outputs)
+    while todo:
+        for reader, pos in todo.pop().consumers:
+            if reader.op in ("getitem", "setitem") and pos > 0 or reader.op in INDEXED_BY_SECOND and pos == 1:
+                continue
+            if reader.op in KEEPS and pos == 0:
+                todo.extend(reader.outputs)
+                continue
+            return reader.op
+    return None
+
+
+def uninstall_sites(root: nn.Module) -> None:
+    for module in root.modules():
+        site = _installed.pop(id(module), None)
+        for handle in site[1] if site else ():
+            handle.remove()
+
+
+def site_of(module: nn.Module) -> Optional[SelectionSite]:
+    entry = _installed.get(id(module))
+    return entry[0] if entry else None
+
+
+def _hooks(module: nn.Module, site: SelectionSite) -> list[Any]:
+    """Hooks entering ``site`` around ``module``'s forward (left even when it raises); their handles."""
+    def enter(_module: nn.Module, _args: Any) -> None:
+        site.last = {"routed": 0, "dropped": 0}
+        _active.sites.append(site)
+
+    def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
+        if _active.sites and _active.sites[-1] is site:
+            _active.sites.pop()
+
+    return [module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)]
+
+
+def where(cond: Any, *rest: Any, **kwargs: Any) -> Any:
+    """``torch.where(cond)`` (one argument) in a selection site, on a device tensor: ``select``
+    (not under ``torch.compile``, which traces no tensor subclass of this kind)."""
+    site = current()
+    if rest or kwargs or site is None or torch.compiler.is_compiling() or not isinstance(cond, torch.Tensor) or cond.device.type != "xla" \
+            or cond.dim() == 0:
+        return NotImplemented
+    return select(cond, site)
+
+
+def nonzero(cond: Any, *, as_tuple: bool = False, **kwargs: Any) -> Any:
+    """``nonzero(as_tuple=True)``: as ``where``."""
+    return where(cond, **kwargs) if as_tuple else NotImplemented
