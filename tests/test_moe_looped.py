@@ -96,3 +96,32 @@ def test_tokens_stay_on_their_data_shard_one_all_reduce_per_expert(mesh):
     report = xla_tp.audit(model, batch(0).to(torch_xla.device()), mesh=mesh)
     assert report.count("all-gather") == 0 and report.count("collective-permute") == 0, report
     assert report.count("all-reduce") == EXPERTS + 1 and report.comm_ratio == pytest.approx(1.0), report
+
+
+class _Scaled(Decoder):
+    def forward(self, ids, scale):  # a second input "auto" cannot make up: planned at the first call
+        return super().forward(ids) * scale
+
+
+def test_options_set_before_a_deferred_plan_are_kept_for_it(mesh):
+    torch.manual_seed(0)
+    cpu = _Scaled(OneHotMoe, layers=1)
+    with pytest.warns(UserWarning, match="planned and parallelized at its first call"):
+        model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    assert xla_tp.set_moe_options(model, dropless=True).dropless
+    ids, scale = batch(5), torch.rand(4, 16, 1)
+    out = model(ids.to(torch_xla.device()), scale.to(torch_xla.device()))
+    assert max_err(out, cpu(ids, scale)) < 1e-4
+    assert xla_tp.moe_report(model)["moes.0"]["dropless"] and xla_tp.moe_report(model)["moes.0"]["dropped"] == 0
+
+
+def test_under_torch_compile_the_selecting_modules_run_between_graphs(mesh):
+    """dynamo traces no tensor subclass of the static positions' kind: each selecting module is a graph break."""
+    torch.manual_seed(0)
+    cpu = Decoder(EqualsMoe, layers=1)
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    compiled = torch.compile(model, backend="openxla")
+    for seed in (1, 2):
+        ids = batch(seed)
+        assert max_err(compiled(ids.to(torch_xla.device())), cpu(ids)) < 1e-4

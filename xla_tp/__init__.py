@@ -12,7 +12,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                RowwiseParallel, SequenceParallel)
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
-from .api import parallelize_module, parallelize_xla, plan_for, unparallelize
+from .api import parallelize_module, parallelize_xla, plan_for, set_moe_options, unparallelize
 from .auditing import AuditReport
 from .auditing.run import audit
 from .backends.jax import parallelize_jax
@@ -20,7 +20,7 @@ from .checkpoint import export_hf, load_checkpoint, save_checkpoint
 from .errors import CheckpointError, GenerationError, MeshError, OptimizerError, PlanError
 from .generation import generate
 from .loss import loss_parallel
-from .lowering.routed import moe_report, set_moe_options
+from .lowering.routed import moe_report
 from .mesh import init_device_mesh, make_mesh
 from .plan.hf import hf_plan
 from .plan.registered import register_style

@@ -25,10 +25,12 @@ from .backends.place import place_module
 from .constraints import install_constraints
 from .dataflow.graph import Graph
 from .dataflow.inputs import MadeUpInputError
-from .deferred import cancel as cancel_first_call, plan_at_first_call
+from .deferred import cancel as cancel_first_call, early_options, pending, plan_at_first_call, take_early_options
 from .errors import PlanError
 from .guard import record_of
 from .lowering import packed
+from .lowering.experts import MoeOptions
+from .lowering.routed import set_moe_options as set_layer_options, update_options
 from .lowering.padding import padding_problem
 from .axes import EXPERT, canonical_axis, mesh_axes, sizes_of
 from .mesh import MeshLike, XlaDeviceMesh, to_xs_mesh
@@ -93,6 +95,7 @@ def begin(module: nn.Module, plan: Plan, layout: Layout, mesh: Any, tp: int, emb
     effects, the plan's packed projections re-laid, and the lowering's first hook. Both backends start
     here after validation and finish with ``install_lowering``."""
     state = ModelState(layout, mesh, tp)
+    state.moe_options = take_early_options(module)  # set_moe_options before a deferred plan's first call
     state.lease = compat.lease()
     _forget(module)
     register(module, state, state.lease.release)
@@ -247,3 +250,15 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
                         f"name the axis 'tp'")
     return parallelize_xla(module, parallelize_plan if parallelize_plan is not None else {},
                            xmesh, tp_axis=tp_axis, strict=False)
+
+
+def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
+                    dropless: Optional[bool] = None) -> MoeOptions:
+    """Set the slots per expert of every parallelized MoE layer of ``model``: ``capacity_factor``
+    (default 1.25) x the even share of a batch shard's assignments, or ``dropless=True`` (slots for
+    the worst case: results equal to the model's own implementation). Returns the options. Before the
+    first forward of a model whose layers (or whose whole plan: "auto" without an input it can make
+    up) are found then, they are kept for them. Example: ``xla_tp.set_moe_options(model, dropless=True)``."""
+    if pending(model) and not list(states_under(model)):  # planned at its first call: its state comes then
+        return update_options(early_options(model, MoeOptions), capacity_factor, dropless)
+    return set_layer_options(model, capacity_factor, dropless)

@@ -22,6 +22,7 @@ from .dataflow.inputs import plannable
 
 Parallelize = Callable[[tuple, dict], None]  # parallelizes the module, planned from these arguments
 _PENDING: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()  # module -> its hook
+_EARLY: "weakref.WeakKeyDictionary[nn.Module, Any]" = weakref.WeakKeyDictionary()  # module -> options set before it
 
 
 def plan_at_first_call(module: nn.Module, parallelize: Parallelize, why: str) -> nn.Module:
@@ -54,3 +55,20 @@ def cancel(module: nn.Module) -> None:
     handle = _PENDING.pop(module, None)
     if handle is not None:
         handle.remove()
+
+
+def pending(module: nn.Module) -> bool:
+    """Whether ``module`` is planned at its next call."""
+    return module in _PENDING
+
+
+def early_options(module: nn.Module, make: Callable[[], Any]) -> Any:
+    """Options set on a pending ``module`` (``set_moe_options`` before its first call), made once."""
+    if module not in _EARLY:
+        _EARLY[module] = make()
+    return _EARLY[module]
+
+
+def take_early_options(module: nn.Module) -> Any:
+    """The options ``early_options`` kept for ``module`` (None: none), handed to its new state once."""
+    return _EARLY.pop(module, None)

@@ -204,22 +204,25 @@ def _warn_unlowered(module: nn.Module, es: Optional[ExpertSet]) -> None:
 
 def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
                     dropless: Optional[bool] = None) -> MoeOptions:
-    """Set the slots per expert of every parallelized MoE layer of ``model``: ``capacity_factor``
-    (default 1.25) x the even share of a batch shard's assignments, or ``dropless=True`` (slots for
-    the worst case: results equal to the model's own implementation). Returns the options. Before the
-    first forward of a model whose layers are found then, they are kept for those layers."""
+    """``xla_tp.set_moe_options`` on a parallelized ``model``: every state under it takes the options
+    (MoE layers found at its first forward take them too)."""
     found = [state for _, _, state in states_under(model)]
     if not found:
         raise PlanError(f"{type(model).__name__} is not parallelized; parallelize it first (parallelize_xla) and "
                         f"pass the model it returned")
-    for state in found:  # MoE layers found at the first forward take these too
-        options = state.moe_options = state.moe_options or MoeOptions()
-        if capacity_factor is not None:
-            options.capacity_factor = capacity_factor
-            options.__post_init__()
-        if dropless is not None:
-            options.dropless = bool(dropless)
+    for state in found:
+        state.moe_options = update_options(state.moe_options or MoeOptions(), capacity_factor, dropless)
     return found[0].moe_options
+
+
+def update_options(options: MoeOptions, capacity_factor: Optional[float], dropless: Optional[bool]) -> MoeOptions:
+    """``options`` with what is not None of ``capacity_factor`` and ``dropless`` set."""
+    if capacity_factor is not None:
+        options.capacity_factor = capacity_factor
+        options.__post_init__()
+    if dropless is not None:
+        options.dropless = bool(dropless)
+    return options
 
 
 @contextlib.contextmanager

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import threading
 import warnings
+import weakref
 from collections import Counter
 from typing import Any, Optional
 
@@ -70,8 +71,28 @@ def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOpt
                     for n, _ in module.named_parameters())
         site = SelectionSite(fqn, experts, "expert-tensor-parallel" if split else "replicated", options, {},
                              sharder, batch, groups)
-        _installed[id(module)] = (site, _hooks(module, site))
+        _installed[id(module)] = (site, [*_hooks(module, site), _EagerForward(module)])
     return list(counts)
+
+
+class _EagerForward:
+    """A site's ``forward`` on the instance while it is installed: outside ``torch.compile``'s graphs
+    (a graph break around the module: dynamo traces no tensor subclass like ``SelectedIndex``); the
+    module's lazy tensors still make one program with the rest. ``remove()`` leaves the class's again."""
+
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+        module.forward = self
+
+    @torch._dynamo.disable
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module()
+        return type(module).forward(module, *args, **kwargs)
+
+    def remove(self) -> None:
+        module = self.module()
+        if module is not None and module.__dict__.get("forward") is self:
+            del module.forward
 
 
 def _other_reader(node: Node) -> Optional[str]:
