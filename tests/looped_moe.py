@@ -52,6 +52,20 @@ class EqualsMoe(OneHotMoe):
         return out.view_as(hidden)
 
 
+class AddAssignMoe(OneHotMoe):
+    """mistral-inference's ``MoeLayer``: ``results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(...)``."""
+
+    def forward(self, hidden):
+        x = hidden.reshape(-1, hidden.shape[-1])
+        weights, chosen = torch.topk(self.gate(x), TOP_K)
+        weights = F.softmax(weights, dim=1, dtype=torch.float).to(x.dtype)
+        results = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            batch_idx, nth_expert = torch.where(chosen == i)
+            results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(x[batch_idx])
+        return results.view_as(hidden)
+
+
 class Decoder(nn.Module):
     def __init__(self, moe: type, layers: int = 2):
         super().__init__()

@@ -13,7 +13,7 @@ import xla_tp
 from xla_tp.auditing.params import local_numel, sharding_string
 
 from .helpers import max_err
-from .looped_moe import EXPERTS, HIDDEN, INTER, TOP_K, Decoder, EqualsMoe, OneHotMoe, batch
+from .looped_moe import EXPERTS, HIDDEN, INTER, TOP_K, AddAssignMoe, Decoder, EqualsMoe, OneHotMoe, batch
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +21,7 @@ def mesh():
     return xla_tp.make_mesh(data=2, model=4)
 
 
-@pytest.mark.parametrize("moe", [OneHotMoe, EqualsMoe])
+@pytest.mark.parametrize("moe", [OneHotMoe, EqualsMoe, AddAssignMoe])
 def test_auto_plans_the_experts_and_trains_like_the_cpu_model_in_one_program(mesh, moe):
     torch.manual_seed(0)
     cpu = Decoder(moe)
@@ -89,10 +89,11 @@ def test_positions_read_other_than_as_an_index_leave_the_layer_data_dependent(me
     assert max_err(model(ids.to(torch_xla.device())), cpu(ids)) < 1e-4
 
 
-def test_tokens_stay_on_their_data_shard_one_all_reduce_per_expert(mesh):
-    """Positions are chosen within each batch shard and read there: no gather over the data axis."""
+@pytest.mark.parametrize("moe", [OneHotMoe, AddAssignMoe])
+def test_tokens_stay_on_their_data_shard_one_all_reduce_per_expert(mesh, moe):
+    """Positions are chosen within each batch shard and read (and written) there: no gather over the data axis."""
     torch.manual_seed(0)
-    model = xla_tp.parallelize_xla(Decoder(OneHotMoe, layers=1), "auto", mesh=mesh)
+    model = xla_tp.parallelize_xla(Decoder(moe, layers=1), "auto", mesh=mesh)
     report = xla_tp.audit(model, batch(0).to(torch_xla.device()), mesh=mesh)
     assert report.count("all-gather") == 0 and report.count("collective-permute") == 0, report
     assert report.count("all-reduce") == EXPERTS + 1 and report.comm_ratio == pytest.approx(1.0), report

@@ -86,12 +86,26 @@ class Rows:
 
     def add(self, x: torch.Tensor, d: int, source: torch.Tensor) -> torch.Tensor:
         """``x`` with ``source``'s rows (along ``d``) added at these positions, within each group."""
+        return self._write(x, d, source, accumulate=True)
+
+    def put(self, x: torch.Tensor, d: int, value: Any) -> torch.Tensor:
+        """``x`` with ``value``'s rows (along ``d``; broadcast as ``x[positions] = value`` does) written
+        at these positions, within each group."""
+        shape = list(x.shape)
+        shape[d] = self.local.numel()
+        return self._write(x, d, torch.as_tensor(value, dtype=x.dtype, device=x.device).expand(shape), accumulate=False)
+
+    def _write(self, x: torch.Tensor, d: int, source: torch.Tensor, accumulate: bool) -> torch.Tensor:
         g, per = self.groups, self.extent // self.groups
         moved = x.movedim(d, 0)
         rows = self.site.constrain(F.pad(moved.reshape(g, per, -1), (0, 0, 0, 1)))
         src = source.movedim(d, 0).reshape(g, self.local.shape[1], -1).to(rows.dtype)
-        out = rows.scatter_add(1, self.local.unsqueeze(-1).expand(-1, -1, rows.shape[-1]), src)
-        return out[:, :per].reshape(moved.shape).movedim(0, d)
+        where = self.local.unsqueeze(-1).expand(-1, -1, rows.shape[-1])
+        if not accumulate:  # written rows cleared, then added to (torch_xla 2.9's scatter cannot take more
+            # source rows than the target has: it slices the source to the target)
+            written = torch.zeros_like(rows[..., :1]).scatter_add(1, self.local.unsqueeze(-1), torch.ones_like(src[..., :1]))
+            rows = rows * (written == 0).to(rows.dtype)
+        return rows.scatter_add(1, where, src)[:, :per].reshape(moved.shape).movedim(0, d)
 
 
 class SelectedIndex(torch.Tensor):
@@ -240,8 +254,12 @@ def _grouped_getitem(x: torch.Tensor, items: tuple) -> Optional[torch.Tensor]:
 
 
 def _setitem(x: torch.Tensor, index: Any, value: Any) -> None:
-    padded, plain, dims = _safe_index(x, index)
+    items = index if isinstance(index, tuple) else (index,)
     with torch._C.DisableTorchFunctionSubclass():
+        if len(items) == 1 and isinstance(items[0], SelectedIndex) and items[0].rows_of(x, 0) is not None:
+            x.copy_(items[0].rows.put(x, 0, value))  # x[token] = value (x[token] += ...): within the groups
+            return
+        padded, plain, dims = _safe_index(x, index)
         padded[plain] = value
         x.copy_(_cut(padded, x.shape, dims))
 
