@@ -103,6 +103,16 @@ class ExpertSet:
         return self.sharder.constrain(x, (head, spec_entry(rest), self.ep_axis, *[None] * (x.dim() - 3)))
 
 
+def routing_groups(axis_sizes: dict[str, int], batch_axes: tuple[str, ...]) -> tuple[tuple[str, ...], int]:
+    """The batch axes of a mesh that split it (size > 1) and the routing groups they make (one per shard).
+
+    >>> routing_groups({"data": 2, "fsdp": 1, "model": 4}, ("data", "fsdp"))
+    (('data',), 2)
+    """
+    batch = tuple(a for a in batch_axes if axis_sizes.get(a, 1) > 1)
+    return batch, math.prod(axis_sizes[a] for a in batch)
+
+
 def _chunked_weights(es: ExpertSet, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``gate_up`` (``[E, 2I, H]`` packed, or ``[E, 2, I, H]`` stacked) as ``[t, e, 2, i, H]`` and ``down``
     as ``[t, e, H, i]`` for the layout's chunks."""

@@ -56,24 +56,32 @@ def rows_forward(module: nn.Module, es: ExpertSet, x: torch.Tensor, counts: torc
     return run(es, x, ids, weights, lambda g, u: F.silu(g) * u, up, module.w2, capacity=capacity).to(x.dtype)
 
 
-class GroupedForward:
-    """A marked module's ``forward`` (on the instance, not the class) while it is parallelized;
+class InstanceForward:
+    """A module's ``forward`` set on the instance (not the class) while it is parallelized;
     ``remove()`` leaves the class's again."""
 
-    def __init__(self, module: nn.Module, es: ExpertSet):
-        self.module, self.es = weakref.ref(module), es
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
         module.forward = self
+
+    def remove(self) -> None:
+        module = self.module()
+        if module is not None and module.__dict__.get("forward") is self:
+            del module.forward
+
+
+class GroupedForward(InstanceForward):
+    """A marked grouped-experts module's ``forward``: its rows in static slots inside a parallelized model."""
+
+    def __init__(self, module: nn.Module, es: ExpertSet):
+        super().__init__(module)
+        self.es = es
 
     def __call__(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
         module = self.module()
         if scope.inside() and x.device.type == "xla":
             return rows_forward(module, self.es, x, num_tokens_per_expert)
         return type(module).forward(module, x, num_tokens_per_expert)
-
-    def remove(self) -> None:
-        module = self.module()
-        if module is not None and module.__dict__.get("forward") is self:
-            del module.forward
 
 
 def install_grouped(root: nn.Module, state: ModelState, layout: Layout, kind_of: Callable[[tuple, str], str],

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 import weakref
 from typing import Any, Callable, Iterator, Optional
@@ -40,7 +39,7 @@ from ..errors import PlanError
 from ..plan.layout import Layout, uses_axis
 from ..state import ModelState, ensure_param_state, param_state, states_under
 from . import scope
-from .experts import ExpertSet, MoeOptions, dispatched_numel, even, run
+from .experts import ExpertSet, MoeOptions, dispatched_numel, even, routing_groups, run
 from .grouped import GroupedForward, install_grouped
 from .selection import site_of
 
@@ -83,9 +82,8 @@ def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], 
     transformers' batched_mm experts (``dataflow.routing.batched_experts``)."""
     if not isinstance(state.mesh, xs.Mesh):
         return []
-    sizes = dict(zip(state.mesh.axis_names, (int(s) for s in state.mesh.mesh_shape)))
-    batch = tuple(a for a in layout.batch_axes if sizes.get(a, 1) > 1)
-    groups = math.prod(sizes[a] for a in batch)
+    batch, groups = routing_groups(dict(zip(state.mesh.axis_names, (int(s) for s in state.mesh.mesh_shape))),
+                                   layout.batch_axes)
     options = state.moe_options or MoeOptions()
     state.moe_options = options
     marked = []

@@ -13,10 +13,8 @@ warning. Each site shares its model's ``MoeOptions`` and reports in ``moe_report
 """
 from __future__ import annotations
 
-import math
 import threading
 import warnings
-import weakref
 from collections import Counter
 from typing import Any, Optional
 
@@ -28,7 +26,8 @@ from ..backends.annotate import XlaSharder
 from ..dataflow.graph import Graph, Node
 from ..dataflow.trace import selections
 from ..plan.layout import Layout, uses_axis
-from .experts import MoeOptions
+from .experts import MoeOptions, routing_groups
+from .grouped import InstanceForward
 from .selected import KEEPS, SelectionSite, select
 
 INDEXED_BY_SECOND = ("index_add", "index_add_", "index_select")  # (self, dim, index, ...)
@@ -55,9 +54,8 @@ def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOpt
     by value, one selection group per shard of the batch over ``mesh``; their FQNs."""
     sharder, batch, groups = None, (), 1
     if isinstance(mesh, xs.Mesh):
-        sizes = dict(zip(mesh.axis_names, (int(n) for n in mesh.mesh_shape)))
-        sharder, batch = XlaSharder(mesh), tuple(a for a in layout.batch_axes if sizes.get(a, 1) > 1)
-        groups = math.prod(sizes[a] for a in batch)
+        sharder = XlaSharder(mesh)
+        batch, groups = routing_groups(dict(zip(mesh.axis_names, (int(n) for n in mesh.mesh_shape))), layout.batch_axes)
     picks = selections(graph)
     unread = {n.module: op for n in picks for op in (_other_reader(n),) if op is not None}
     for fqn, op in unread.items():
@@ -75,24 +73,15 @@ def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOpt
     return list(counts)
 
 
-class _EagerForward:
-    """A site's ``forward`` on the instance while it is installed: outside ``torch.compile``'s graphs
-    (a graph break around the module: dynamo traces no tensor subclass like ``SelectedIndex``); the
-    module's lazy tensors still make one program with the rest. ``remove()`` leaves the class's again."""
-
-    def __init__(self, module: nn.Module):
-        self.module = weakref.ref(module)
-        module.forward = self
+class _EagerForward(InstanceForward):
+    """A site's ``forward`` while it is installed: outside ``torch.compile``'s graphs (a graph break
+    around the module: dynamo traces no tensor subclass like ``SelectedIndex``); the module's lazy
+    tensors still make one program with the rest."""
 
     @torch._dynamo.disable
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module()
         return type(module).forward(module, *args, **kwargs)
-
-    def remove(self) -> None:
-        module = self.module()
-        if module is not None and module.__dict__.get("forward") is self:
-            del module.forward
 
 
 def _other_reader(node: Node) -> Optional[str]:
@@ -137,8 +126,10 @@ def _hooks(module: nn.Module, site: SelectionSite) -> list[Any]:
 def where(cond: Any, *rest: Any, **kwargs: Any) -> Any:
     """``torch.where(cond)`` (one argument) in a selection site, on a device tensor: ``select``
     (not under ``torch.compile``, which traces no tensor subclass of this kind)."""
+    if rest or kwargs:  # the three-argument where, on every call of a parallelized forward: first out
+        return NotImplemented
     site = current()
-    if rest or kwargs or site is None or torch.compiler.is_compiling() or not isinstance(cond, torch.Tensor) or cond.device.type != "xla" \
+    if site is None or torch.compiler.is_compiling() or not isinstance(cond, torch.Tensor) or cond.device.type != "xla" \
             or cond.dim() == 0:
         return NotImplemented
     return select(cond, site)
