@@ -7,7 +7,7 @@ compile counts (the 1x4 child: the forward audit only). Then the trace overhead 
 hand-written sharding (``overhead``).
 
 The 1x4 mesh runs in a child process with 4 CPU devices (a torch_xla mesh spans all devices).
-Options: ``--quick`` (one model, one width, the 1x8 mesh only, no 70B planning time), ``--out DIR``.
+Options: ``--quick`` (one model, one width, the 1x8 mesh only, 3 timed steps, no 70B planning time), ``--out DIR``.
 Example: ``python -m bench --quick --out /tmp/bench``.
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -25,23 +26,27 @@ os.environ["XLA_DUMP_POST_OPTIMIZATIONS"] = "1"  # this is its own process: read
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 MESHES = {8: ({"model": 8}, {"data": 2, "model": 4}), 4: ({"model": 4},)}
+QUICK_STEPS = 3  # timed training steps per execution route with --quick (``timing.STEPS`` otherwise)
 
 
-def run_meshes(families, widths, meshes, extras: bool = True) -> list[dict]:
+def run_meshes(families, widths, meshes, extras: bool = True, steps: Optional[int] = None) -> list[dict]:
     """Every route on every model and mesh; route (e) on the smallest model only (a child each);
-    ``extras``: trace times, forward+backward audits and training steps too."""
+    ``extras``: trace times, forward+backward audits and ``steps`` timed training steps too."""
     import xla_tp
     from xla_tp.zoo import registry
     from .auto_sharding import auto_sharding_row
     from .models import smallest
     from .routes import BACKWARD_ROUTES, JAX_ROUTE, ROUTES, mesh_name, run_route
+    from .timing import STEPS
+    steps = steps or STEPS
     rows, auto_family = [], smallest(families, widths[0])
     for axes in meshes:
         mesh, cache = xla_tp.make_mesh(**axes), {}
         for family in families:
             for width in widths:
-                steps = extras and axes is meshes[-1] and width == widths[0]
-                new = [run_route(route, family, width, mesh, cache, steps and route in BACKWARD_ROUTES, extras)
+                timed = extras and axes is meshes[-1] and width == widths[0]
+                new = [run_route(route, family, width, mesh, cache, steps if timed and route in BACKWARD_ROUTES else 0,
+                                 extras)
                        for route in [*ROUTES, JAX_ROUTE]]
                 if (family, width) == (auto_family, widths[0]):
                     sizes = {"data": axes.get("data", 1), "model": axes["model"]}
@@ -69,7 +74,7 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = run_meshes(families, widths, meshes)
+    rows = run_meshes(families, widths, meshes, steps=QUICK_STEPS if args.quick else None)
     if not args.quick:
         import xla_tp
         from .families import family_rows

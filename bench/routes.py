@@ -87,11 +87,12 @@ ROUTES: dict[str, Callable] = {
 BACKWARD_ROUTES = ("a_xla_tp", "b_hand_mark_sharding", "g_replicated")  # also audited forward+backward
 
 
-def run_route(route: str, family: str, width: str, mesh, unsharded: dict, steps: bool = False,
+def run_route(route: str, family: str, width: str, mesh, unsharded: dict, steps: int = 0,
               extras: bool = True) -> dict[str, Any]:
     """One row: the route's forward audit and compile time; with ``extras`` its trace times (forward,
-    forward+backward) and for ``BACKWARD_ROUTES`` the forward+backward audit; with ``steps`` the
-    training-step times per execution route (``timing.step_stats``); or the error it hit.
+    forward+backward) and for ``BACKWARD_ROUTES`` the forward+backward audit; with ``steps`` > 0 the
+    training-step times per execution route over that many steps after warm-up (``timing.step_stats``);
+    or the error it hit.
 
     ``unsharded`` caches the unsharded FLOPs per model, so each route compiles once.
     """
@@ -119,7 +120,7 @@ def run_route(route: str, family: str, width: str, mesh, unsharded: dict, steps:
         if extras and route in BACKWARD_ROUTES:
             row.update(_backward_audit(model, x, mesh, layout, unsharded, key))
         if steps:
-            row["steps"] = step_stats(model, x)
+            row["steps"] = step_stats(model, x, n=steps)
     except Exception as error:
         return _failed(row, error)
     data = report.to_dict()

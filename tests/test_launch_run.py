@@ -141,74 +141,68 @@ def _launch(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([*LAUNCH, *args], cwd=ROOT, env=user_env(), capture_output=True, text=True, timeout=600)
 
 
-def test_a_rerun_is_refused_and_resume_skips_a_damaged_checkpoint_to_where_it_was(tmp_path, capsys):
-    """Checkpoints every 3 steps. Launched again without --resume: refused in one line, every file as it
-    was (run in this process: the refusal comes before the XLA runtime starts). The step-9 checkpoint
-    truncated: --resume says it skipped it and why, and continues from step 6 with the same batches,
-    optimizer state and learning rate (steps 7-9 repeat the first run's losses).
-    --overwrite then starts over (in this process too), the earlier checkpoints moved aside intact."""
-    ckpt = tmp_path / "ckpt"
-    common = ["tiny-llama-cpu", "--no-audit", "steps=9", "log_interval=1", f"checkpoint.dir={ckpt}",
-              "checkpoint.interval=3", *SMALL]
-    first = _launch(*common, "--run-dir", str(tmp_path / "a"))
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    saved = sorted(p.name for p in ckpt.iterdir())
-    assert saved == ["step_00000003", "step_00000006", "step_00000009"], saved
-    before = _files(ckpt)
-    capsys.readouterr()
-    status = cli.main(["launch", *common, "--run-dir", str(tmp_path / "b")])
-    again = capsys.readouterr().err
-    assert status == 2 and again.count("\n") == 1, again[-3000:]
-    assert "already holds the checkpoints of an earlier run (steps 3, 6, 9)" in again
-    assert "pass --resume" in again and "--overwrite" in again
-    assert _files(ckpt) == before and not (tmp_path / "b").exists()
-    shard = ckpt / "step_00000009" / "__0_0.distcp"
-    shard.write_bytes(shard.read_bytes()[:100])
-    second = _launch(*common, "--resume", "--run-dir", str(tmp_path / "b"))
-    assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:]
-    assert f"--resume: skipped {ckpt / 'step_00000009'}" in second.stdout and "truncated" in second.stdout
-    assert "resumed from step 6" in second.stdout and "Traceback" not in second.stderr
-    losses = {r["step"]: r["loss"] for r in _records(tmp_path / "a" / "metrics.jsonl") if "loss" in r}
-    resumed = {r["step"]: r["loss"] for r in _records(tmp_path / "b" / "metrics.jsonl") if "loss" in r}
-    assert sorted(resumed) == [7, 8, 9]
-    assert all(abs(resumed[s] - losses[s]) < 1e-5 for s in resumed), (resumed, losses)
-    before = _files(ckpt)
-    capsys.readouterr()
-    assert cli.main(["launch", *common, "steps=0", "--overwrite", "--run-dir", str(tmp_path / "b")]) == 0
-    third = capsys.readouterr().out
-    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.replaced-")]
-    assert len(aside) == 1 and _files(aside[0]) == before and not ckpt.exists()
-    assert f"moved the earlier run's checkpoints (steps 3, 6, 9) to {str(aside[0])!r}" in third
-    assert _records(tmp_path / "b" / "metrics.jsonl") == [{"event": "done", "step": 0}]
-
-
-def test_kill_9_then_resume_holds_each_step_once_and_records_the_resume(tmp_path):
-    """kill -9 part-way, then --resume into the same run directory: the steps logged after the restored
-    checkpoint are dropped and trained again, so each step is in metrics.jsonl once, after a resume record."""
+def test_kill_9_rerun_refused_resume_past_a_damaged_checkpoint_then_overwrite(tmp_path, capsys):
+    """A run checkpointing every 3 steps is killed with SIGKILL part-way. Launched again without a flag: refused
+    in one line, every file as it was (run in this process: the refusal comes before the XLA runtime starts).
+    The newest checkpoint truncated: --resume says it skipped it and why, and continues from the one before
+    with the same batches, optimizer state and learning rate (the repeated steps have the first run's
+    losses); metrics.jsonl holds each step once, the later ones after one resume record. --overwrite then
+    starts over (in this process too), the earlier checkpoints and metrics moved aside intact."""
     ckpt, run_dir = tmp_path / "ckpt", tmp_path / "run"
+    metrics = run_dir / "metrics.jsonl"
     common = ["tiny-llama-cpu", "--no-audit", "log_interval=1", f"checkpoint.dir={ckpt}", "checkpoint.interval=3",
               *SMALL, "--run-dir", str(run_dir)]
     proc = subprocess.Popen([*LAUNCH, *common, "steps=100000"], cwd=ROOT, env=user_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 420
-        while max([r["step"] for r in _records(run_dir / "metrics.jsonl") if "loss" in r], default=0) < 8:
+        while max([r["step"] for r in _records(metrics) if "loss" in r], default=0) < 8:
             assert proc.poll() is None and time.time() < deadline
             time.sleep(0.2)
     finally:
         proc.kill()                                # SIGKILL: no handler runs
         proc.wait()
-    newest = CheckpointRoot(str(ckpt)).steps()[-1]
-    assert newest >= 6
+    saved = CheckpointRoot(str(ckpt)).steps()
+    newest, previous = saved[-1], saved[-2]
+    assert saved[:2] == [3, 6] and newest - previous == 3, saved
+    first = {r["step"]: r["loss"] for r in _records(metrics) if "loss" in r}
+
+    before = _files(tmp_path)
+    capsys.readouterr()
+    assert cli.main(["launch", *common, f"steps={newest + 3}"]) == 2
+    again = capsys.readouterr().err
+    assert again.count("\n") == 1, again[-3000:]
+    assert f"already holds the checkpoints of an earlier run (steps {', '.join(map(str, saved))})" in again
+    assert "pass --resume" in again and "--overwrite" in again
+    assert _files(tmp_path) == before
+
+    shard = ckpt / f"step_{newest:08d}" / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
     resumed = _launch(*common, f"steps={newest + 3}", "--resume")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    records = _records(run_dir / "metrics.jsonl")
+    assert f"--resume: skipped {ckpt / f'step_{newest:08d}'}" in resumed.stdout and "truncated" in resumed.stdout
+    assert f"resumed from step {previous}" in resumed.stdout and "Traceback" not in resumed.stderr
+    records = _records(metrics)
     assert [r["step"] for r in records if "loss" in r] == list(range(1, newest + 4))
     marks = [r for r in records if r.get("event") == "resume"]
-    assert len(marks) == 1 and marks[0]["step"] == newest and marks[0]["from"].endswith(f"step_{newest:08d}")
+    assert len(marks) == 1 and marks[0]["step"] == previous and marks[0]["from"].endswith(f"step_{previous:08d}")
     at = records.index(marks[0])
-    assert all(r["step"] <= newest for r in records[:at]) and all(r["step"] > newest for r in records[at + 1:])
+    assert all(r["step"] <= previous for r in records[:at]) and all(r["step"] > previous for r in records[at + 1:])
     assert records[-1] == {"event": "done", "step": newest + 3}
+    again = {r["step"]: r["loss"] for r in records[at + 1:] if "loss" in r and r["step"] in first}
+    assert sorted(again) == [s for s in sorted(first) if s > previous] and len(again) >= 2, (again, first)
+    assert all(abs(again[s] - first[s]) < 1e-5 for s in again), (again, first)
+
+    before, kept = _files(ckpt), CheckpointRoot(str(ckpt)).steps()
+    assert kept[-2:] == [newest, newest + 3]                     # the damaged step was written again
+    capsys.readouterr()
+    assert cli.main(["launch", *common, "steps=0", "--overwrite"]) == 0
+    third = capsys.readouterr().out
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("ckpt.replaced-")]
+    assert len(aside) == 1 and _files(aside[0]) == before and not ckpt.exists()
+    assert f"moved the earlier run's checkpoints (steps {', '.join(map(str, kept))}) to {str(aside[0])!r}" in third
+    assert len([p for p in run_dir.iterdir() if p.name.startswith("metrics.jsonl.replaced-")]) == 1
+    assert _records(metrics) == [{"event": "done", "step": 0}]
 
 
 def test_rewinding_metrics_drops_later_steps_and_a_torn_line(tmp_path):
@@ -220,6 +214,9 @@ def test_rewinding_metrics_drops_later_steps_and_a_torn_line(tmp_path):
                               {"event": "checkpoint", "step": 3},
                               {"event": "resume", "step": 3, "from": "ckpt/step_00000003", "dropped": 2}]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert rewind_metrics(tmp_path / "new" / "metrics.jsonl", 6, "ckpt/step_00000006") == 0  # resumed into a new --run-dir
+    assert _records(tmp_path / "new" / "metrics.jsonl") == [{"event": "resume", "step": 6, "from": "ckpt/step_00000006",
+                                                             "dropped": 0}]
 
 
 def test_an_earlier_runs_metrics_alone_also_need_a_flag(tmp_path):

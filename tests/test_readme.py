@@ -1,4 +1,5 @@
 """The README stands alone: its Python runs, its paths and links exist, its layout matches the tree."""
+import json
 import re
 from pathlib import Path
 
@@ -12,10 +13,39 @@ def blocks(language: str) -> list[str]:
     return re.findall(rf"```{language}\n(.*?)```", README, re.S)
 
 
+# run after the README's blocks, in the same process: what they left behind, as one JSON line
+CHECKS = r"""
+import json as _json, os as _os
+import jax as _jax
+_module = jm.to_module()                        # the JAX backend's parameters after one AdamW step, on the CPU
+print("CHECKS" + _json.dumps({
+    "jax_spec": str(jm.params["model.layers.0.self_attn.q_proj.weight"].sharding.spec),
+    "jax_devices": len(_jax.devices()), "jax_logits": [list(logits.shape), type(logits).__name__],
+    "jax_collectives": [jm.audit(tokens).count(c) for c in ("all-reduce", "all-gather")],
+    "jax_grads": [len(grads), len(jm.params)], "fast_path": torch.backends.mha.get_fastpath_enabled(),
+    "jax_loss": [float(loss), float(loss_fn(_module, tokens))],
+    "async": handle.result(), "loaded": step, "steps": sorted(_os.listdir(ckpt)), "exported": sorted(_os.listdir(out)),
+}))
+"""
+
+
 def test_every_python_block_runs_in_order():
-    """As a reader pastes them, one after the other, in a process with only the documented environment."""
-    out = run_fresh("\n".join(blocks("python")), timeout=900)
+    """As a reader pastes them, one after the other, in a process with only the documented environment;
+    then what the blocks built is checked in that process (``CHECKS``)."""
+    out = run_fresh("\n".join([*blocks("python"), CHECKS]), timeout=900)
     assert "column-parallel" in out and "communication bytes/device" in out
+    checks = json.loads(next(line[6:] for line in out.splitlines() if line.startswith("CHECKS")))
+    # parallelize_jax: parameters sharded on the mesh of 8 CPU devices, torch tensors out, the fast path of
+    # torch's attention kept, gradients for every parameter, one AdamW step lowers the loss on its batch
+    assert checks["jax_spec"] == "PartitionSpec('model', None)" and checks["jax_devices"] == 8
+    assert checks["jax_logits"] == [[4, 16, 128], "Tensor"] and checks["fast_path"] is True
+    assert checks["jax_collectives"] == [5, 0]                        # embedding + 2 per layer, nothing gathered
+    assert checks["jax_grads"][0] == checks["jax_grads"][1] == 21
+    assert checks["jax_loss"][1] < checks["jax_loss"][0], checks["jax_loss"]
+    # training at scale: an async save's handle gives its directory, the newest step loads, HF files out
+    assert checks["async"].endswith("step_00000200") and checks["loaded"] == 200
+    assert checks["steps"] == ["step_00000100", "step_00000200"]
+    assert {"model.safetensors", "config.json"} <= set(checks["exported"])
 
 
 def _slug(heading: str) -> str:
