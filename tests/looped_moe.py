@@ -1,5 +1,6 @@
 """MoE models that loop over per-expert modules and pick each expert's tokens with ``torch.where``
-(the eager form, as transformers 4.x's Mixtral and most hand-written MoEs are): tiny, for tests."""
+(the eager form, as transformers 4.x's Mixtral, transformers 5.x's expert-hit loops and most hand-written
+MoEs are): tiny, for tests."""
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -64,6 +65,23 @@ class AddAssignMoe(OneHotMoe):
             batch_idx, nth_expert = torch.where(chosen == i)
             results[batch_idx] += weights[batch_idx, nth_expert, None] * expert(x[batch_idx])
         return results.view_as(hidden)
+
+
+class HitLoopMoe(OneHotMoe):
+    """transformers 5.x's SwitchTransformers, NLLB-MoE and LongCat-Flash: a loop over only the experts some
+    token chose, ``for e in (mask.sum(...) > 0).nonzero():``, the expert picked by the index's value."""
+
+    def forward(self, hidden):
+        x = hidden.flatten(0, 1)
+        weights, chosen = torch.topk(self.gate(x).softmax(-1), TOP_K)
+        out = torch.zeros_like(x)
+        mask = F.one_hot(chosen, num_classes=EXPERTS).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+        for e in hit:
+            idx, top_x = torch.where(mask[e].squeeze(0))
+            y = self.experts[int(e[0])](x[None, top_x].reshape(-1, x.shape[-1])) * weights[top_x, idx, None]
+            out.index_add_(0, top_x, y)
+        return out.view_as(hidden)
 
 
 class Decoder(nn.Module):

@@ -3,6 +3,7 @@
 whatever the routing), equal to the CPU model when dropless, drops counted otherwise."""
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import xla_tp
 from xla_tp.auditing.params import local_numel, sharding_string
 
 from .helpers import max_err
-from .looped_moe import EXPERTS, HIDDEN, INTER, TOP_K, AddAssignMoe, Decoder, EqualsMoe, OneHotMoe, batch
+from .looped_moe import EXPERTS, HIDDEN, INTER, TOP_K, AddAssignMoe, Decoder, EqualsMoe, HitLoopMoe, OneHotMoe, batch
 
 
 @pytest.fixture(scope="module")
@@ -21,7 +22,7 @@ def mesh():
     return xla_tp.make_mesh(data=2, model=4)
 
 
-@pytest.mark.parametrize("moe", [OneHotMoe, EqualsMoe, AddAssignMoe])
+@pytest.mark.parametrize("moe", [OneHotMoe, EqualsMoe, AddAssignMoe, HitLoopMoe])
 def test_auto_plans_the_experts_and_trains_like_the_cpu_model_in_one_program(mesh, moe):
     torch.manual_seed(0)
     cpu = Decoder(moe)
@@ -68,21 +69,37 @@ def test_capacity_drops_what_does_not_fit_and_counts_it(mesh):
     assert max_err(out, cpu(ids)) > 1e-3  # dropped tokens skip their experts
 
 
-def test_positions_read_other_than_as_an_index_leave_the_layer_data_dependent(mesh):
-    class Flipped(OneHotMoe):
-        def forward(self, hidden):
-            x = hidden.flatten(0, 1)
-            weights, ids = torch.topk(self.gate(x).softmax(-1), TOP_K)
-            out = torch.zeros_like(x)
-            for e, expert in enumerate(self.experts):
-                token, choice = torch.where(ids == e)
-                token, choice = token.flip(0), choice.flip(0)  # a reader the static positions do not serve
-                out = out.index_add(0, token, expert(x[token]) * weights[token, choice, None])
-            return out.view_as(hidden)
+class _Flipped(OneHotMoe):
+    def forward(self, hidden):
+        x = hidden.flatten(0, 1)
+        weights, ids = torch.topk(self.gate(x).softmax(-1), TOP_K)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, choice = torch.where(ids == e)
+            token, choice = token.flip(0), choice.flip(0)  # a reader the static positions do not serve
+            out = out.index_add(0, token, expert(x[token]) * weights[token, choice, None])
+        return out.view_as(hidden)
 
+
+class _Reversed(HitLoopMoe):
+    def forward(self, hidden):
+        x = hidden.flatten(0, 1)
+        weights, chosen = torch.topk(self.gate(x).softmax(-1), TOP_K)
+        out = torch.zeros_like(x)
+        mask = torch.nn.functional.one_hot(chosen, num_classes=EXPERTS).permute(2, 1, 0)
+        for e in (mask.sum(dim=(-1, -2)) > 0).nonzero().flip(0):  # a reader every expert does not serve
+            idx, top_x = torch.where(mask[e].squeeze(0))
+            out.index_add_(0, top_x, self.experts[int(e[0])](x[top_x]) * weights[top_x, idx, None])
+        return out.view_as(hidden)
+
+
+@pytest.mark.parametrize("moe, says", [
+    (_Flipped, r"moes.0 picks tokens with torch.where and reads the positions with 'flip'"),
+    (_Reversed, r"moes.0 loops over the experts of a 1-D nonzero\(\) and reads them with 'flip'")])
+def test_positions_read_other_than_as_an_index_leave_the_layer_data_dependent(mesh, moe, says):
     torch.manual_seed(0)
-    cpu = Decoder(Flipped, layers=1)
-    with pytest.warns(UserWarning, match=r"moes.0 picks tokens with torch.where and reads the positions with 'flip'"):
+    cpu = Decoder(moe, layers=1)
+    with pytest.warns(UserWarning, match=says):
         model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     assert xla_tp.moe_report(model) == {}
     ids = batch(3)
@@ -126,3 +143,58 @@ def test_under_torch_compile_the_selecting_modules_run_between_graphs(mesh):
     for seed in (1, 2):
         ids = batch(seed)
         assert max_err(compiled(ids.to(torch_xla.device())), cpu(ids)) < 1e-4
+
+
+def test_hf_dbrx_loops_over_the_chosen_experts_of_its_fused_weights_like_the_cpu_model(mesh):
+    """transformers' DBRX (no test was written for it): ``for e in expert_hit`` over its one-hot of experts + 1
+    classes, each expert's rows of the fused ``[experts x inter, hidden]`` weights taken by the index's value.
+    Every position is looped over at a static size (the extra one reads the last expert's rows, clamped, and
+    picks no token); the fused weights stay whole (a view indexed per expert: no rule splits it), said by explain.
+    SGD steps on three routings: the CPU model's logits and parameters (state_dict: the packed q/k/v in its
+    own order), one program."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.DbrxConfig(d_model=64, n_heads=8, n_layers=1, max_seq_len=64, vocab_size=128,
+                                  attn_config={"kv_n_heads": 4, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                  ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2})
+    cpu = transformers.DbrxForCausalLM(cfg)
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, cpu)]
+    compiles = []
+    for seed in (1, 2, 3):
+        ids = batch(seed)
+        met.clear_all()
+        out, ref = model(ids.to(torch_xla.device())).logits, cpu(ids).logits
+        for loss, opt in zip((out, ref), opts):
+            loss.float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        torch_xla.sync()
+        compiles.append(met.counter_value("UncachedCompile") or 0)
+        assert max_err(out, ref) < 1e-4
+        assert xla_tp.moe_report(model)["transformer.blocks.0.ffn.experts"]["routed"] == ids.numel() * 2
+        want = cpu.state_dict()
+        assert max(max_err(p, want[n]) for n, p in model.state_dict().items()) < 1e-5
+    assert compiles[2] == 0, compiles  # after the warm-up, another routing: the same program
+    explained = xla_tp.plan_for(cpu, mesh=mesh).explain(cpu, mesh)
+    assert re.search(r"ffn\.experts\.mlp\.w1 +used by 'view' in transformer\.blocks\.\*\.ffn\.experts: no rule splits it",
+                     explained), explained
+
+
+def test_hf_longcat_flash_with_identity_experts_gives_the_cpu_models_logits(mesh):
+    """LongCat-Flash (no test was written for it): ``int(e.item())`` per chosen expert, identity ("zero") experts
+    past the routed ones, fused ``gate_up_proj[e]``: a static site, every token routed."""
+    import transformers
+    torch.manual_seed(0)
+    cfg = transformers.LongcatFlashConfig(vocab_size=128, hidden_size=64, num_layers=1, num_attention_heads=4,
+                                          ffn_hidden_size=128, expert_ffn_hidden_size=32, n_routed_experts=8,
+                                          zero_expert_num=2, moe_topk=2, kv_lora_rank=16, q_lora_rank=24,
+                                          qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
+    cpu = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    xla_tp.set_moe_options(model, dropless=True)
+    ids = batch(4)
+    assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
+    report = xla_tp.moe_report(model)["model.layers.0.mlp.experts"]
+    assert (report["routed"], report["dropped"]) == (ids.numel() * 2, 0), report

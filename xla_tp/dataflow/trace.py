@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from ..errors import PlanError
 from .graph import Graph, Node, Value
 from .inputs import MadeUpInputError, synthesize
+from .positions import every_position
 from .routing import batched_experts
 
 
@@ -105,15 +106,28 @@ def selections(graph: Graph) -> list[Node]:
     return [n for n in graph.nodes if is_selection(n.op, n.args, n.kwargs)]
 
 
+def is_position_loop(name: str, args: tuple, kwargs: dict, rank: int) -> bool:
+    """Whether a call is ``hit.nonzero()`` of a 1-D ``hit`` (of ``rank`` 1): the experts an MoE layer loops over."""
+    return name == "nonzero" and len(args) == 1 and rank == 1 and kwargs in ({}, {"as_tuple": False})
+
+
+def position_loops(graph: Graph) -> list[Node]:
+    """The calls of ``graph`` that are ``is_position_loop``."""
+    return [n for n in graph.nodes if n.tensors and is_position_loop(n.op, n.args, n.kwargs, len(n.tensors[0].shape))]
+
+
 def _call(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
     """``func(*args, **kwargs)``; a histogram of integers (MoE routers count expert choices so; fake
     tensors, like the CPU, count floats only) as one of floats; positions picked by value (an MoE
     layer looping over its experts) as every position of the mask, ordered by it: the shape the
-    lowering's dropless selection has (``lowering.selected``)."""
+    lowering's dropless selection has (``lowering.selected``); the experts a layer loops over
+    (``hit.nonzero()``) as every one of them (``positions``)."""
     first = args[0] if args else None
     if isinstance(first, torch.Tensor) and is_selection(name, args, kwargs):
         order = torch.argsort((first.reshape(-1) == 0).to(torch.uint8), stable=True)
         return torch.unravel_index(order, tuple(first.shape))
+    if isinstance(first, torch.Tensor) and is_position_loop(name, args, kwargs, first.dim()):
+        return every_position(first.shape[0])
     if name == "histc" and isinstance(first, torch.Tensor) and not first.is_floating_point():
         return func(first.float(), *args[1:], **kwargs).to(first.dtype)
     return func(*args, **kwargs)

@@ -5,8 +5,10 @@
 ``index_add`` or ``index_select`` (the trace takes each such call at a static size, ``dataflow.trace``),
 and hooks its forward: inside it, ``where``/``nonzero`` (installed for ``torch.where`` and
 ``torch.nonzero`` by ``compat``) return ``selected.select``'s static positions, one group per batch
-shard. A module whose positions are read otherwise (``token.sort()``) is left data-dependent, with a
-warning. Each site shares its model's ``MoeOptions`` and reports in ``moe_report``. Example::
+shard. A loop over only the experts some token chose (``for e in hit.nonzero():``) gets every expert
+(``dataflow.positions``). A module whose positions are read otherwise (``token.sort()``,
+``hit.flip(0)``) is left data-dependent, with a warning. Each site shares its model's ``MoeOptions``
+and reports in ``moe_report``. Example::
 
     install_sites(model, graph, layout, options, mesh)   # ['layers.0.moe', 'layers.1.moe']
     model(ids)      # each layers.*.moe's torch.where(mask[e]) gives static positions
@@ -24,7 +26,8 @@ from torch import nn
 
 from ..backends.annotate import XlaSharder
 from ..dataflow.graph import Graph, Node
-from ..dataflow.trace import selections
+from ..dataflow.positions import every_position
+from ..dataflow.trace import position_loops, selections
 from ..plan.layout import Layout, uses_axis
 from .experts import MoeOptions, routing_groups
 from .grouped import InstanceForward
@@ -56,12 +59,18 @@ def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOpt
     if isinstance(mesh, xs.Mesh):
         sharder = XlaSharder(mesh)
         batch, groups = routing_groups(dict(zip(mesh.axis_names, (int(n) for n in mesh.mesh_shape))), layout.batch_axes)
-    picks = selections(graph)
-    unread = {n.module: op for n in picks for op in (_other_reader(n),) if op is not None}
-    for fqn, op in unread.items():
-        warnings.warn(f"xla_tp: {fqn or type(root).__name__} picks tokens with torch.where and reads the positions "
-                      f"with '{op}' (not only to index, index_add or index_select): left data-dependent, the program "
-                      f"is compiled again for each routing", stacklevel=4)
+    picks, loops = selections(graph), position_loops(graph)
+    unread = {n.module: f"picks tokens with torch.where and reads the positions with '{op}' (not only to index, "
+                        f"index_add or index_select)" for n in picks for op in (_other_reader(n),) if op is not None}
+    picking = {n.module for n in picks}
+    for n in loops:
+        op = _other_reader(n, iterated=True)
+        if n.module not in unread and (op is not None or n.module not in picking):
+            unread[n.module] = "loops over the experts of a 1-D nonzero() and " + (
+                f"reads them with '{op}' (not only to iterate and index)" if op else "picks no tokens with torch.where")
+    for fqn, why in unread.items():
+        warnings.warn(f"xla_tp: {fqn or type(root).__name__} {why}: left data-dependent, the program is compiled "
+                      f"again for each routing", stacklevel=4)
     counts = Counter(n.module for n in picks if n.module not in unread)
     for fqn, experts in counts.items():
         module = root.get_submodule(fqn)
@@ -84,14 +93,17 @@ class _EagerForward(InstanceForward):
         return type(module).forward(module, *args, **kwargs)
 
 
-def _other_reader(node: Node) -> Optional[str]:
-    """The first op reading the positions ``node`` picked other than as an index (None: every one indexes)."""
+def _other_reader(node: Node, iterated: bool = False) -> Optional[str]:
+    """The first op reading the positions ``node`` picked other than as an index (None: every one indexes);
+    ``iterated``: positions of experts looped over, also taken one by one (``for e in hit: e[0]``)."""
     todo = list(node.outputs)
     while todo:
         for reader, pos in todo.pop().consumers:
             if reader.op in ("getitem", "setitem") and pos > 0 or reader.op in INDEXED_BY_SECOND and pos == 1:
                 continue
-            if reader.op in KEEPS and pos == 0:
+            one = iterated and pos == 0 and (reader.op in ("unbind", "iter") or
+                                             reader.op == "getitem" and isinstance(reader.args[1], int))
+            if reader.op in KEEPS and pos == 0 or one:
                 todo.extend(reader.outputs)
                 continue
             return reader.op
@@ -136,5 +148,11 @@ def where(cond: Any, *rest: Any, **kwargs: Any) -> Any:
 
 
 def nonzero(cond: Any, *, as_tuple: bool = False, **kwargs: Any) -> Any:
-    """``nonzero(as_tuple=True)``: as ``where``."""
-    return where(cond, **kwargs) if as_tuple else NotImplemented
+    """``nonzero(as_tuple=True)``: as ``where``; ``hit.nonzero()`` of a 1-D device tensor in a selection
+    site (the experts it loops over): ``every_position`` of it."""
+    if as_tuple:
+        return where(cond, **kwargs)
+    if kwargs or current() is None or not isinstance(cond, torch.Tensor) or cond.device.type != "xla" \
+            or cond.dim() != 1:
+        return NotImplemented
+    return every_position(cond.shape[0])

@@ -1,0 +1,75 @@
+"""Every position of a 1-D mask, as host indices: the static form of ``hit.nonzero()`` in an MoE layer
+that loops over the experts some token chose.
+
+transformers' DBRX, SwitchTransformers, NLLB-MoE and LongCat-Flash loop
+``for e in (mask.sum(...) > 0).nonzero():`` and pick expert ``e``'s tokens inside with
+``torch.where(mask[e])``. How many experts were chosen is data. ``every_position(n)`` is
+``[[0], [1], ..., [n - 1]]`` on the CPU instead: the loop runs over every expert (one nobody chose picks
+no token and adds nothing), and iterating it or reading an index (``e[0]``, ``int(e)``,
+``f"expert_{e[0]}"``) costs nothing on the device: each index is a constant of the program. A position
+indexing a dimension shorter than the mask (DBRX one-hots E + 1 classes for E experts) reads the last
+entry, as XLA clamps a gather; that position is never chosen, so it adds nothing either.
+
+>>> hit = every_position(3)
+>>> [int(e) for e in hit], f"expert_{hit[1][0]}"
+([0, 1, 2], 'expert_1')
+>>> torch.arange(10.0).view(2, 5)[hit[2][0]]      # position 2 of a dimension of 2: the last entry
+tensor([5., 6., 7., 8., 9.])
+"""
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._C import DisableTorchFunctionSubclass
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_map
+
+
+class Positions(torch.Tensor):
+    """Host indices from ``every_position``: what is computed from them stays ``Positions``; indexing
+    another tensor with them indexes it with Python integers, clamped to its dimension."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not (args and isinstance(args[0], Positions)):  # an index into another tensor
+            if func is torch.Tensor.__getitem__:
+                args = (args[0], _as_python(args[1], tuple(args[0].shape)))
+            with DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        with unset_fake_temporarily(), DisableTorchFunctionSubclass():  # real host values, also in a trace
+            out = func(*args, **kwargs)
+        if isinstance(out, Iterator):
+            return iter([_wrap(t) for t in out])
+        return tree_map(_wrap, out)
+
+    def __format__(self, spec: str) -> str:  # f"expert_{e[0]}" names a module (torch formats plain tensors only)
+        return format(int(self), spec) if self.dim() == 0 else super().__format__(spec)
+
+
+def every_position(n: int) -> Positions:
+    """``[[0], ..., [n - 1]]``: ``nonzero()`` of a 1-D mask of ``n`` entries, each one taken."""
+    with unset_fake_temporarily():
+        return torch.arange(n).unsqueeze(1).as_subclass(Positions)
+
+
+def _wrap(t: Any) -> Any:
+    return t.as_subclass(Positions) if type(t) is torch.Tensor else t
+
+
+def _as_python(index: Any, shape: tuple[int, ...]) -> Any:
+    """``index`` with each ``Positions`` entry as Python integers (nested lists for a tensor of them),
+    clamped to the dimension it indexes."""
+    entries, dim, out = index if isinstance(index, tuple) else (index,), 0, []
+    for entry in entries:
+        if isinstance(entry, Positions):
+            with unset_fake_temporarily(), DisableTorchFunctionSubclass():
+                entry = entry.clamp(max=shape[dim] - 1).tolist() if dim is not None else entry.tolist()
+        out.append(entry)
+        if entry is Ellipsis:
+            dim = None  # the dimensions after it count from the end: left unclamped
+        elif dim is not None and entry is not None:
+            dim += entry.dim() if isinstance(entry, torch.Tensor) and entry.dtype == torch.bool else 1
+    return tuple(out) if isinstance(index, tuple) else out[0]
