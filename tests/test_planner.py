@@ -181,3 +181,22 @@ def test_explain_shows_roles_and_reasons(mesh):
     assert "model.layers.*.self_attn.q_proj" in text and "column-parallel" in text and "row-parallel" in text
     assert "model.layers.*.self_attn.k_proj.weight" in text and "2 heads" in text
     assert "vocab-parallel" in text and "per device" in text
+
+
+def test_a_forward_that_casts_a_submodule_to_its_own_dtype_is_planned(mesh):
+    """SwitchTransformers' and NLLB-MoE's routers run ``self.classifier = self.classifier.to(self.dtype)`` in their
+    forward: on the trace's fake parameters torch would swap them (and fail); a cast that changes nothing is
+    skipped while tracing, and the modules are left as they were."""
+    class Casting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = nn.Linear(16, 64), nn.Linear(64, 16)
+
+        def forward(self, x):
+            self.up = self.up.to(torch.float32)
+            return self.down(torch.relu(self.up(x)))
+
+    model = Casting()
+    plan = plan_for(model, mesh=mesh)
+    assert (plan.roles["up.weight"].kind.value, plan.roles["down.weight"].kind.value) == ("column", "row"), plan.roles
+    assert not any("_apply" in vars(m) for m in model.modules())

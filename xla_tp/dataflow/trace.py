@@ -170,7 +170,7 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
         known[id(t)] = v
         graph.inputs.append(v)
     recorder = _Recorder(graph, known, scope)
-    with _own_hooks_only(model):
+    with _own_hooks_only(model), _unchanged_conversions_skipped(model):
         handles = _scope_hooks(model, fqns, scope)
         try:
             with fake, batched_experts(model), contextlib.ExitStack() as stack:
@@ -240,6 +240,29 @@ def _own_hooks_only(model: nn.Module) -> Iterator[None]:
     finally:
         for mod, name, hooks in saved:
             setattr(mod, name, hooks)
+
+
+@contextlib.contextmanager
+def _unchanged_conversions_skipped(model: nn.Module) -> Iterator[None]:
+    """``module.to(...)`` inside a forward (SwitchTransformers' and NLLB-MoE's routers cast their
+    classifier to the dtype it has) skipped while the model is traced when it changes no tensor: torch
+    swaps a fake parameter for its converted copy, which a functional call's parameters cannot be."""
+    def skipping(module: nn.Module, convert: Callable) -> Callable:
+        def _apply(fn: Callable, recurse: bool = True) -> nn.Module:
+            with torch.no_grad():
+                if all(fn(t) is t for t in (*module.parameters(recurse), *module.buffers(recurse))):
+                    return module
+            return convert(fn, recurse)
+        return _apply
+
+    modules = list(model.modules())
+    for module in modules:
+        module._apply = skipping(module, module._apply)  # on the instance, taken off below
+    try:
+        yield
+    finally:
+        for module in modules:
+            del module._apply
 
 
 def _scope_hooks(model: nn.Module, fqns: dict[int, str], scope: list[str]) -> list:
