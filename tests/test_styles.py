@@ -204,9 +204,10 @@ def test_other_libraries_styles_lower_by_registration():
 
     model = nn.ModuleDict({"gate": nn.Linear(16, 8), "a": Experts(), "b": Experts(), "c": Experts()})
     plan = {"gate": no_parallel(use_local_output=False), "a": expert_parallel(), "b": expert_tp(), "c": tensor_parallel()}
-    layout = build_layout(model, plan, {"data": 2, "model": 4}, "model")
+    layout = build_layout(model, plan, {"data": 2, "expert": 2, "model": 4}, "model")
     assert layout.params["gate.weight"] == (None, None) and layout.modules["gate"].inputs == ((Replicate(),),)
-    assert layout.params["a.w2"] == layout.params["b.w1"] == ("model", None, None)
+    assert layout.params["a.w2"] == ("model", None, None)
+    assert layout.params["b.w1"] == ("expert", "model", None) and layout.params["b.w2"] == ("expert", None, "model")
     assert layout.params["c.w1"] == (None, "model", None) and layout.params["c.w2"] == (None, None, "model")
     assert layout.modules["c"].natural_output == Partial()
     mine = _titan("Mine", "somewhere.else")

@@ -40,6 +40,8 @@ NoParallel = _style("NoParallel", "torchtitan.distributed", input_layout=Replica
                     use_local_output=True)
 TensorParallel = _style("TensorParallel", "torchtitan.distributed.expert_parallel")
 ExpertParallel = _style("ExpertParallel", "torchtitan.distributed.expert_parallel")
+ExpertTensorParallel = type("ExpertTensorParallel", (ExpertParallel,),
+                            {"__module__": "torchtitan.distributed.expert_parallel"})  # its subclass, as in torchtitan
 ReordererSequenceParallel = _style("ReordererSequenceParallel", "torchtitan.distributed.expert_parallel")
 
 
@@ -247,7 +249,7 @@ def apply_non_moe_tp(model: nn.Module, tp_mesh, loss_parallel: bool) -> None:
 
 
 def apply_moe_ep_tp(model: nn.Module, tp_mesh, ep_mesh, ep_tp_mesh, etp_enabled: bool) -> None:
-    """llama4/infra/parallelize.py's (``ExpertTensorParallel`` needs an ``[ep, tp]`` mesh: not reproduced)."""
+    """llama4/infra/parallelize.py's."""
     for transformer_block in model.layers.values():
         if not transformer_block.moe_enabled:
             continue
@@ -267,8 +269,10 @@ def apply_moe_ep_tp(model: nn.Module, tp_mesh, ep_mesh, ep_tp_mesh, etp_enabled:
             parallelize_module(module=transformer_block, device_mesh=tp_mesh, parallelize_plan=moe_layer_plan)
         if ep_mesh is None:
             experts_mesh, experts_plan = tp_mesh, TensorParallel()
-        else:
+        elif tp_mesh is None or not etp_enabled:
             experts_mesh, experts_plan = ep_mesh, ExpertParallel()
+        else:
+            experts_mesh, experts_plan = ep_tp_mesh, ExpertTensorParallel()
         parallelize_module(module=transformer_block.moe.experts, device_mesh=experts_mesh, parallelize_plan=experts_plan)
 
 

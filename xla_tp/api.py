@@ -241,9 +241,10 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
     if tp_axis == EXPERT:
         raise PlanError("parallelize_module: the mesh's axis 'expert' (ep) carries the batch: xla_tp sends each "
                         "batch shard's tokens to the experts split over it itself (\"auto\" on a mesh with an "
-                        "expert axis), so a style cannot be applied over it; for torchtitan's ExpertParallel pass "
-                        "the tensor-parallel slice (world['tp']: the experts split over it, as torchtitan's "
-                        "expert parallelism borrowing the TP ranks)")
+                        "expert axis), so a style cannot be applied over it alone; for torchtitan's ExpertParallel "
+                        "pass the tensor-parallel slice (world['tp']: the experts split over it, as torchtitan's "
+                        "expert parallelism borrowing the TP ranks), for its ExpertTensorParallel world['ep', 'tp'] "
+                        "(the experts split over both)")
     if tp_axis in mesh_axes("batch"):
         raise PlanError(f"parallelize_module: the mesh's axis {tp_axis!r} carries the batch, so it cannot be "
                         f"the tensor-parallel axis; pass the tensor-parallel slice (e.g. world['tp']) or "

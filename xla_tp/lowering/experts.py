@@ -71,7 +71,8 @@ class ExpertSet:
     batch: tuple[str, ...] = ()  # mesh axes of the batch: one routing group per shard
     groups: int = 1
     relaid: bool = False  # gate_up re-laid device-major (expert-tensor-parallel)
-    ep_axis: Optional[str] = None  # a batch axis that also splits the experts (their slots move by all-to-all)
+    ep_axis: Optional[str] = None  # a batch axis that also splits the experts (slots routed per batch shard move
+    # to them by all-to-all; one group of the whole batch, as torchtitan sorts it, is left to the compiler)
     weights: tuple = ()  # (gate_up name, stored [E, in, out], down name, stored [E, in, out]) on its module
     options: MoeOptions = field(default_factory=MoeOptions)
     last: dict[str, Any] = field(default_factory=dict)  # the last forward's "routed" (int) and "dropped" (tensor)
@@ -88,12 +89,12 @@ class ExpertSet:
         """Slots ``[t, G, e, C, H]``, filled where their tokens are (``G`` split over the batch axes),
         moved to the devices of their experts (``e`` split over the expert axis, ``G`` over the other
         batch axes): one all-to-all. Without an expert axis, ``slots`` as they are."""
-        return slots if self.ep_axis is None else self._at_experts(self.constrain(slots))
+        return slots if self.ep_axis is None or not self.batch else self._at_experts(self.constrain(slots))
 
     def from_experts(self, y: torch.Tensor) -> torch.Tensor:
         """The experts' outputs ``[t, G, e, C, H]`` back to their tokens' devices as ``[t, G, e*C, H]``
         (the all-to-all of ``to_experts`` the other way)."""
-        if self.ep_axis is None:
+        if self.ep_axis is None or not self.batch:
             return y.flatten(2, 3)
         return self.constrain(self._at_experts(y).flatten(2, 3))
 

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..axes import EXPERT
 from ..backends.annotate import XlaSharder
 from ..plan.layout import Layout
 from ..state import ModelState
@@ -96,7 +97,7 @@ def install_grouped(root: nn.Module, state: ModelState, layout: Layout, kind_of:
         spec = layout.params.get(f"{fqn}.w1" if fqn else "w1", (None, None, None))
         kind = kind_of(spec, layout.tp_axis)
         es = ExpertSet(kind, state.tp if kind != "replicated" else 1, layout.tp_axis, XlaSharder(state.mesh),
-                       options=state.moe_options)
+                       options=state.moe_options, ep_axis=EXPERT if kind_of(spec, EXPERT) == "expert-parallel" else None)
         sets[module] = es
         state.handles.append(GroupedForward(module, es))
         marked.append(fqn)

@@ -13,9 +13,11 @@ torchtitan style                                  under SPMD
                                                   output as its ``output_layout``
 ``expert_parallel.TensorParallel``                experts' ``w1``/``w3`` split on dim 1, ``w2`` on
                                                   dim 2 (expert-tensor-parallel); output Partial
-``expert_parallel.ExpertParallel``,               every own parameter split on the expert dim 0
-``expert_parallel.ExpertTensorParallel``          (expert-parallel over the model axis: the
-                                                  style's own ``[ep, tp]`` mesh is not read)
+``expert_parallel.ExpertParallel``               every own parameter split on the expert dim 0
+                                                  (expert-parallel over the model axis)
+``expert_parallel.ExpertTensorParallel``          on its ``[ep, tp]`` slice: the experts split over
+                                                  the expert axis, ``w1``/``w3`` dim 1 and ``w2``
+                                                  dim 2 over the model axis; output Partial
 ``expert_parallel.ReordererSequenceParallel``     nothing (a per-rank token split)
 ================================================  ==============================================
 
@@ -31,7 +33,7 @@ from typing import Any, Callable, Optional, Union
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate
 
-from ..axes import TP
+from ..axes import EXPERT, TP
 from .layout import chain
 from .styles import ShardParams, Style
 
@@ -63,11 +65,16 @@ def _no_parallel(style: Any, module: nn.Module) -> Style:
                        outputs=(chain(getattr(style, "output_layout", None)),))
 
 
-def _tensor_parallel(style: Any, module: nn.Module) -> Style:
-    specs = {"w1": (None, TP, None), "w3": (None, TP, None), "w2": (None, None, TP)}
-    own = dict(module.named_parameters(recurse=False))
-    return ShardParams({n: s for n, s in specs.items() if n in own and own[n].dim() == 3}, natural_output=Partial(),
-                       input_grad=True)
+def _split_experts(expert_axis: Optional[str]) -> Lowering:
+    """torchtitan's grouped experts (``w1``/``w3`` ``[E, I, D]``, ``w2`` ``[E, D, I]``) split on their
+    features over the model axis (``TensorParallel``), and on their experts over ``expert_axis`` too
+    (``ExpertTensorParallel``); their output Partial."""
+    def lower(style: Any, module: nn.Module) -> Style:
+        specs = {"w1": (expert_axis, TP, None), "w3": (expert_axis, TP, None), "w2": (expert_axis, None, TP)}
+        own = dict(module.named_parameters(recurse=False))
+        return ShardParams({n: s for n, s in specs.items() if n in own and own[n].dim() == 3},
+                           natural_output=Partial(), input_grad=True)
+    return lower
 
 
 def _expert_parallel(style: Any, module: nn.Module) -> Style:
@@ -77,6 +84,7 @@ def _expert_parallel(style: Any, module: nn.Module) -> Style:
 
 _TITAN = "torchtitan.distributed"
 register_style(f"{_TITAN}.NoParallel", _no_parallel)
-register_style(f"{_TITAN}.expert_parallel.TensorParallel", _tensor_parallel)
+register_style(f"{_TITAN}.expert_parallel.TensorParallel", _split_experts(None))
 register_style(f"{_TITAN}.expert_parallel.ExpertParallel", _expert_parallel)
+register_style(f"{_TITAN}.expert_parallel.ExpertTensorParallel", _split_experts(EXPERT))
 register_style(f"{_TITAN}.expert_parallel.ReordererSequenceParallel", lambda style, module: ShardParams())
