@@ -198,3 +198,16 @@ def test_hf_longcat_flash_with_identity_experts_gives_the_cpu_models_logits(mesh
     assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
     report = xla_tp.moe_report(model)["model.layers.0.mlp.experts"]
     assert (report["routed"], report["dropped"]) == (ids.numel() * 2, 0), report
+
+
+def test_loop_positions_are_host_integers_that_mix_with_device_tensors():
+    """``for e in hit.nonzero():`` then ``ids == e`` (a [1] tensor on the host against the device's ids), ``e == ids``,
+    ``x[e]`` and ``x[e[0]]``: what the CPU computes, on the XLA device; an index past the dimension reads its last entry."""
+    from xla_tp.dataflow.positions import every_position
+    ids = torch.tensor([[0, 3], [2, 3]])
+    x = torch.arange(12.0).view(4, 3)
+    xids, xx = ids.to(torch_xla.device()), x.to(torch_xla.device())
+    for e in every_position(5):
+        n, i = int(e[0]), min(int(e[0]), 3)
+        assert torch.equal((xids == e).cpu(), ids == n) and torch.equal((e == xids).cpu(), ids == n)
+        assert torch.equal(xx[e].cpu(), x[[i]]) and torch.equal(xx[e[0]].cpu(), x[i])

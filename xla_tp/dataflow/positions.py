@@ -24,19 +24,25 @@ from typing import Any
 import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 
 class Positions(torch.Tensor):
-    """Host indices from ``every_position``: what is computed from them stays ``Positions``; indexing
-    another tensor with them indexes it with Python integers, clamped to its dimension."""
+    """Host indices from ``every_position``: what is computed from them alone stays ``Positions``;
+    indexing another tensor with them indexes it with Python integers, clamped to its dimension; an op
+    with the model's tensors (``ids == e``) takes them as integers, or on those tensors' device."""
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if not (args and isinstance(args[0], Positions)):  # an index into another tensor
-            if func is torch.Tensor.__getitem__:
+        others = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+                  and not isinstance(t, Positions)]
+        if others:  # with the model's tensors
+            if func is torch.Tensor.__getitem__ and not isinstance(args[0], Positions):
                 args = (args[0], _as_python(args[1], tuple(args[0].shape)))
+            else:
+                args, kwargs = tree_map(lambda a: _on(a, others[0].device) if isinstance(a, Positions) else a,
+                                        (args, kwargs))
             with DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         with unset_fake_temporarily(), DisableTorchFunctionSubclass():  # real host values, also in a trace
@@ -53,6 +59,12 @@ def every_position(n: int) -> Positions:
     """``[[0], ..., [n - 1]]``: ``nonzero()`` of a 1-D mask of ``n`` entries, each one taken."""
     with unset_fake_temporarily():
         return torch.arange(n).unsqueeze(1).as_subclass(Positions)
+
+
+def _on(positions: Positions, device: torch.device) -> Any:
+    """``positions`` as a Python integer (one of them) or a plain tensor on ``device``."""
+    with unset_fake_temporarily(), DisableTorchFunctionSubclass():
+        return int(positions) if positions.dim() == 0 else positions.to(device)
 
 
 def _wrap(t: Any) -> Any:
