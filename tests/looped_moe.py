@@ -84,6 +84,20 @@ class HitLoopMoe(OneHotMoe):
         return out.view_as(hidden)
 
 
+class HitEqualsMoe(OneHotMoe):
+    """The same loop with each expert's tokens picked by ``torch.where(ids == e[0])`` (transformers 4.x's gpt-oss)."""
+
+    def forward(self, hidden):
+        x = hidden.flatten(0, 1)
+        weights, ids = torch.topk(self.gate(x).softmax(-1), TOP_K)
+        out = torch.zeros_like(x)
+        hit = torch.greater(F.one_hot(ids, num_classes=EXPERTS).sum(dim=(0, 1)), 0).nonzero()
+        for e in hit:
+            token, choice = torch.where(ids == e[0])
+            out.index_add_(0, token, self.experts[e](x[token]) * weights[token, choice, None])
+        return out.view_as(hidden)
+
+
 class Decoder(nn.Module):
     def __init__(self, moe: type, layers: int = 2):
         super().__init__()

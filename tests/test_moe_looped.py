@@ -14,7 +14,8 @@ import xla_tp
 from xla_tp.auditing.params import local_numel, sharding_string
 
 from .helpers import max_err
-from .looped_moe import EXPERTS, HIDDEN, INTER, TOP_K, AddAssignMoe, Decoder, EqualsMoe, HitLoopMoe, OneHotMoe, batch
+from .looped_moe import (EXPERTS, HIDDEN, INTER, TOP_K, AddAssignMoe, Decoder, EqualsMoe, HitEqualsMoe, HitLoopMoe,
+                         OneHotMoe, batch)
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,7 @@ def mesh():
     return xla_tp.make_mesh(data=2, model=4)
 
 
-@pytest.mark.parametrize("moe", [OneHotMoe, EqualsMoe, AddAssignMoe, HitLoopMoe])
+@pytest.mark.parametrize("moe", [OneHotMoe, EqualsMoe, AddAssignMoe, HitLoopMoe, HitEqualsMoe])
 def test_auto_plans_the_experts_and_trains_like_the_cpu_model_in_one_program(mesh, moe):
     torch.manual_seed(0)
     cpu = Decoder(moe)

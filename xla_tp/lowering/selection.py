@@ -95,11 +95,14 @@ class _EagerForward(InstanceForward):
 
 def _other_reader(node: Node, iterated: bool = False) -> Optional[str]:
     """The first op reading the positions ``node`` picked other than as an index (None: every one indexes);
-    ``iterated``: positions of experts looped over, also taken one by one (``for e in hit: e[0]``)."""
+    ``iterated``: positions of experts looped over, also taken one by one (``for e in hit: e[0]``) and
+    compared with the routed ids (``ids == e``)."""
     todo = list(node.outputs)
     while todo:
         for reader, pos in todo.pop().consumers:
             if reader.op in ("getitem", "setitem") and pos > 0 or reader.op in INDEXED_BY_SECOND and pos == 1:
+                continue
+            if iterated and reader.op == "eq":  # ids == e: no token is e where nobody chose e
                 continue
             one = iterated and pos == 0 and (reader.op in ("unbind", "iter") or
                                              reader.op == "getitem" and isinstance(reader.args[1], int))
