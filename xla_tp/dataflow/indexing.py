@@ -31,6 +31,22 @@ class _Split(torch.nn.Module):
         return x.split(64, dim=-1)
 
 
+def indexed_dims(index: tuple, ndim: int) -> list[int]:
+    """The (first) dimension of an ``ndim``-D tensor each item of ``index`` indexes (-1: None); a
+    boolean mask indexes as many as it has.
+
+    >>> indexed_dims((None, Ellipsis, slice(None), 0), 4)
+    [-1, 0, 2, 3]
+    """
+    widths = [0 if i is None or i is Ellipsis else i.dim() if isinstance(i, torch.Tensor) and i.dtype == torch.bool
+              else 1 for i in index]
+    dims, dim = [], 0
+    for i, width in zip(index, widths):
+        dims.append(-1 if i is None else dim)
+        dim += ndim - sum(widths) if i is Ellipsis else width
+    return dims
+
+
 def _getitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     if pos != 0:
         return "indexes with a sharded tensor"

@@ -19,12 +19,14 @@ tensor([5., 6., 7., 8., 9.])
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch._C import DisableTorchFunctionSubclass
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._pytree import tree_flatten, tree_map
+
+from .indexing import indexed_dims
 
 
 class Positions(torch.Tensor):
@@ -74,14 +76,12 @@ def _wrap(t: Any) -> Any:
 def _as_python(index: Any, shape: tuple[int, ...]) -> Any:
     """``index`` with each ``Positions`` entry as Python integers (nested lists for a tensor of them),
     clamped to the dimension it indexes."""
-    entries, dim, out = index if isinstance(index, tuple) else (index,), 0, []
-    for entry in entries:
-        if isinstance(entry, Positions):
-            with unset_fake_temporarily(), DisableTorchFunctionSubclass():
-                entry = entry.clamp(max=shape[dim] - 1).tolist() if dim is not None else entry.tolist()
-        out.append(entry)
-        if entry is Ellipsis:
-            dim = None  # the dimensions after it count from the end: left unclamped
-        elif dim is not None and entry is not None:
-            dim += entry.dim() if isinstance(entry, torch.Tensor) and entry.dtype == torch.bool else 1
+    items = index if isinstance(index, tuple) else (index,)
+    out = [_clamped(i, shape[d] if 0 <= d < len(shape) else None) if isinstance(i, Positions) else i
+           for i, d in zip(items, indexed_dims(items, len(shape)))]
     return tuple(out) if isinstance(index, tuple) else out[0]
+
+
+def _clamped(positions: Positions, size: Optional[int]) -> Any:
+    with unset_fake_temporarily(), DisableTorchFunctionSubclass():
+        return (positions if size is None else positions.clamp(max=size - 1)).tolist()

@@ -37,10 +37,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..dataflow.indexing import indexed_dims
 from ..state import param_state
 from . import attention, copies, embedding as vocab, packed, scope, selection, slots, tied, transposed
 from .mode import active
-from .selected import indexed_dims
 
 
 def _is_xla(t: Any) -> bool:

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ..axes import spec_entry
+from ..dataflow.indexing import indexed_dims
 from .experts import MoeOptions
 
 
@@ -195,23 +196,6 @@ def _padded(x: torch.Tensor, dims: list[int]) -> torch.Tensor:
     for d in dims:
         pad[2 * (x.dim() - 1 - d) + 1] = 1
     return F.pad(x, pad)
-
-
-def indexed_dims(index: tuple, ndim: int) -> list[int]:
-    """The dimension of an ``ndim``-D tensor each item of ``index`` indexes (-1: None).
-
-    >>> indexed_dims((None, Ellipsis, slice(None), 0), 4)
-    [-1, 0, 2, 3]
-    """
-    real = sum(1 for i in index if i is not None and i is not Ellipsis)
-    dims, dim = [], 0
-    for i in index:
-        dims.append(-1 if i is None else dim)
-        if i is Ellipsis:
-            dim += ndim - real
-        elif i is not None:
-            dim += 1
-    return dims
 
 
 def _safe_index(x: torch.Tensor, index: Any) -> tuple[torch.Tensor, Any, list[int]]:

@@ -139,15 +139,11 @@ def _hooks(module: nn.Module, site: SelectionSite) -> list[Any]:
 
 
 def where(cond: Any, *rest: Any, **kwargs: Any) -> Any:
-    """``torch.where(cond)`` (one argument) in a selection site, on a device tensor: ``select``
-    (not under ``torch.compile``, which traces no tensor subclass of this kind)."""
+    """``torch.where(cond)`` (one argument) in a selection site, on a device tensor: ``select``."""
     if rest or kwargs:  # the three-argument where, on every call of a parallelized forward: first out
         return NotImplemented
-    site = current()
-    if site is None or torch.compiler.is_compiling() or not isinstance(cond, torch.Tensor) or cond.device.type != "xla" \
-            or cond.dim() == 0:
-        return NotImplemented
-    return select(cond, site)
+    site = _site_for(cond)
+    return NotImplemented if site is None or cond.dim() == 0 else select(cond, site)
 
 
 def nonzero(cond: Any, *, as_tuple: bool = False, **kwargs: Any) -> Any:
@@ -155,7 +151,14 @@ def nonzero(cond: Any, *, as_tuple: bool = False, **kwargs: Any) -> Any:
     site (the experts it loops over): ``every_position`` of it."""
     if as_tuple:
         return where(cond, **kwargs)
-    if kwargs or current() is None or not isinstance(cond, torch.Tensor) or cond.device.type != "xla" \
-            or cond.dim() != 1:
+    if kwargs or _site_for(cond) is None or cond.dim() != 1:
         return NotImplemented
     return every_position(cond.shape[0])
+
+
+def _site_for(cond: Any) -> Optional[SelectionSite]:
+    """The site a selection of ``cond`` is made in: a device tensor inside one, not under ``torch.compile``
+    (which traces no tensor subclass of ``select``'s kind)."""
+    if not isinstance(cond, torch.Tensor) or cond.device.type != "xla" or torch.compiler.is_compiling():
+        return None
+    return current()
