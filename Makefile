@@ -1,7 +1,9 @@
-.PHONY: demo test bench
+.PHONY: demo test complete bench
 demo:
 	bash scripts/dev.sh demo
 test:
 	bash scripts/dev.sh test
+complete:
+	bash scripts/dev.sh complete
 bench:
 	bash scripts/dev.sh bench

@@ -7,7 +7,7 @@
   ``eager`` (lazy tracing, ``torch_xla.sync()``), ``torch_xla.compile`` and ``dynamo``
   (``torch.compile(model, backend="openxla")``). Per route: the median wall time of ``STEPS`` steps
   after ``WARMUP`` (trace + execute, waiting for the devices), and the XLA compilations in the
-  warm-up and in the measured steps (``UncachedCompile``; the measured steps must compile nothing).
+  warm-up and in the measured steps (``xla_tp.compiles``: every compilation; the measured steps must compile nothing).
 
 Example::
 
@@ -23,8 +23,8 @@ from typing import Any, Callable
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.debug.metrics as met
 
+from xla_tp.compiles import compiled
 from xla_tp.zoo import registry
 
 WARMUP, TRACES, STEPS = 3, 9, 5
@@ -64,12 +64,12 @@ def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch
 
 def _steps(step: Callable[[], Any], warmup: int, n: int) -> dict[str, Any]:
     def timed() -> tuple[float, int]:
-        before = met.counter_value("UncachedCompile") or 0
+        before = compiled()
         start = time.perf_counter()
         step()
         torch_xla.sync()
         xm.wait_device_ops()
-        return time.perf_counter() - start, (met.counter_value("UncachedCompile") or 0) - before
+        return time.perf_counter() - start, compiled() - before
 
     warm = [timed() for _ in range(warmup)]
     runs = [timed() for _ in range(n)]

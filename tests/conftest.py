@@ -33,9 +33,22 @@ SLOW_FIRST = ("test_launch_run.py", "test_dynamo.py", "test_bench.py", "test_fam
               "test_call_order.py", "test_jax_user_path.py", "test_readme.py", "test_meta_init.py")
 
 
+# the complete tier (``bash scripts/dev.sh complete``; CI runs it after the quick tier): whole files here, single
+# tests marked ``@pytest.mark.complete`` where they are; the quick tier (``bash scripts/dev.sh test``) is the rest
+COMPLETE_FILES = ("test_moe_looped.py", "test_launch_run.py", "test_dynamo.py", "test_bench.py", "test_notebook.py",
+                  "test_meta_init.py", "test_scoped.py", "test_generate_cli.py")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "complete: in the complete tier only (CI runs both tiers)")
+
+
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FIRST)))  # stable: the rest as collected
+    for item in items:
+        if item.path.name in COMPLETE_FILES:
+            item.add_marker(pytest.mark.complete)
 
 
 @pytest.fixture(autouse=True)

@@ -138,6 +138,7 @@ print("JSON" + json.dumps({"model_bytes": model_bytes, "rss_before": base, "rss_
 '''
 
 
+@pytest.mark.complete
 def test_llama_8b_shaped_layer_audits_with_a_small_fraction_of_its_size(capsys):
     """1 layer of Llama-3-8B (bf16, 2.4 GB of weights), plan "hf": the audit adds little memory."""
     out = run_fresh(LLAMA_8B_LAYER)

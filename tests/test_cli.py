@@ -103,8 +103,8 @@ def test_bad_input_is_one_line_with_the_fix_and_status_2(case, bad_input_runs):
 def test_audit_warns_when_the_batch_does_not_divide_over_the_data_axis():
     result = _cli("audit", "mlp", "--batch", "3", "--mesh", "data=2,model=4")
     assert result.returncode == 0, result.stderr[-3000:]
-    warned = [line for line in result.stderr.splitlines() if line.startswith("xla-tp audit: warning: batch 3 does "
-                                                                            "not divide over data=2: XLA pads")]
+    warned = [line for line in result.stderr.splitlines() if line.startswith(
+        "xla-tp audit: warning: batch 3 does not divide over data=2 (2 devices): its inputs are whole on every device")]
     assert len(warned) == 1, result.stderr[-3000:]
     assert "dot FLOPs x devices" in result.stdout          # the report is still printed
 

@@ -118,6 +118,7 @@ print("wq", torch_xla._XLAC._get_xla_sharding_spec(model.layers["0"].attention.w
 '''
 
 
+@pytest.mark.complete
 def test_torchtitan_code_on_the_tp_slice_matches_cpu():
     out = run_fresh(TORCHTITAN)
     loss_line = next(line.split() for line in out.splitlines() if line.startswith("loss "))

@@ -16,6 +16,7 @@ from torch._dynamo.utils import counters
 
 import xla_tp
 from xla_tp import GenerationError
+from xla_tp.compiles import compiled
 from xla_tp.generation import audit_decode, run, uncaptured
 from xla_tp.launch.data import ByteTokenizer
 from xla_tp.zoo.cuda_llama import CudaLlama
@@ -26,7 +27,7 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
 
 
 def compiles() -> int:
-    return met.counter_value("UncachedCompile") or 0
+    return compiled()
 
 
 def aliases() -> list[float]:
@@ -92,9 +93,11 @@ def test_a_fixed_cache_length_serves_every_number_of_new_tokens(llama):
 def test_decode_step_is_the_tensor_parallel_minimum_and_donates_its_cache(llama):
     _, model, ids, mask, _, _ = llama
     report = audit_decode(model, ids, 24, attention_mask=mask)
-    # per layer attention and MLP outputs, the vocabulary-split embedding, the greedy choice: nothing else
-    assert set(report.collectives) == {"all-reduce"} and report.count("all-reduce") == 2 * 2 + 2
-    assert report.collectives["all-reduce"]["axes"] == ["model"]
+    # per layer attention and MLP outputs, the vocabulary-split embedding, the greedy choice, and the chosen
+    # tokens gathered over the batch for the host to read: nothing else
+    assert set(report.collectives) == {"all-reduce", "all-gather"} and report.count("all-reduce") == 2 * 2 + 2
+    assert report.collectives["all-reduce"]["axes"] == ["model"] and report.collectives["all-gather"]["axes"] == ["data"]
+    assert report.count("all-gather") == 1 and report.collectives["all-gather"]["bytes"] == 4 * 8  # [4] int64
     activation = 2 * 1 * 64 * 4  # [2 rows per data shard, 1, hidden] float32
     assert report.collectives["all-reduce"]["bytes"] == 5 * activation + 2 * 8
     aliased = met.metric_data("InputOutputAliasCount")[2]  # per compiled program, the last ones last

@@ -113,6 +113,7 @@ def test_70b_on_v5e_8_is_refused_with_numbers(capsys):
     assert "training" not in out
 
 
+@pytest.mark.complete
 def test_70b_dry_run_on_v5p_64_stays_on_meta(tmp_path):
     log = tmp_path / "out.txt"
     start = time.perf_counter()

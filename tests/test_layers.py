@@ -13,10 +13,10 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "xla_tp"
 
 # plan input -> Plan -> Layout -> validation (no runtime, no torch_xla)
-CORE = ("axes", "errors", "plan", "dataflow", "planners", "validate")
+CORE = ("axes", "batch", "errors", "plan", "dataflow", "planners", "validate")
 # what a parallelized model runs with: its state, the compatibility effects, the lowering, the backends
 RUNTIME = ("state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
-           "backends", "mesh", "report", "loss", "bitcast")
+           "backends", "mesh", "report", "loss", "bitcast", "compiles")
 # what users call: parallelize (torch_xla, JAX), audit, checkpoints, the launcher, the CLI, the model zoo
 FRONT = ("api", "deferred", "backends.jax", "auditing", "checkpoint", "launch", "cli", "zoo", "generation", "__init__")
 ADAPTER_PACKAGES = ("torch_xla", "jax", "jaxlib", "torchax")

@@ -93,13 +93,15 @@ def test_outputs_of_the_jobs_are_not_repository_paths():
 
 
 def test_ci_runs_the_readme_commands_in_the_readmes_order():
-    """The quick start's commands, one after the other in one checkout (the demo writes runs/ first)."""
+    """The quick start's commands, one after the other in one checkout (the demo writes runs/ first), then the
+    complete tier the README names."""
     quick = README.split("## Quick start", 1)[1]
     commands = [line.split("#")[0].strip() for line in blocks("bash")[0].splitlines() if line.strip()]
     assert blocks("bash")[0] in quick and commands == ["bash scripts/dev.sh demo", "bash scripts/dev.sh test"]
+    assert "`bash scripts/dev.sh complete`" in quick
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
           if line.strip().startswith("bash ")]
-    assert ci == commands
+    assert ci == [*commands, "bash scripts/dev.sh complete"]
 
 
 def test_the_layout_block_matches_the_tree():

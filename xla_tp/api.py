@@ -95,6 +95,7 @@ def begin(module: nn.Module, plan: Plan, layout: Layout, mesh: Any, tp: int, emb
     effects, the plan's packed projections re-laid, and the lowering's first hook. Both backends start
     here after validation and finish with ``install_lowering``."""
     state = ModelState(layout, mesh, tp)
+    state.modules.update(module.modules())
     state.moe_options = take_early_options(module)  # set_moe_options before a deferred plan's first call
     state.lease = compat.lease()
     _forget(module)

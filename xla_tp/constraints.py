@@ -10,8 +10,8 @@ layout it goes to; of a single layout, nothing when the module's weights imply i
 Linear's replicated input, a row-parallel one's split input and reduced output). A split output
 stays (it may leave the program: logits under loss parallelism, where nothing else keeps them split)
 unless the module joins a column group (``drop_implied_output``): q/k/v or gate/up outputs stay inside. What the plan spells out beyond that (sequence-parallel layouts, a gathered output) stays. The
-batch enters split over the data axes: the outermost parallelized module constrains its first
-input (``entry_hook``). The audit still reads the full chains, and each chain's dimensions are
+batch enters split over the data axes: the outermost parallelized module constrains every input that
+carries it, passed by position or by keyword (``entry_hook``). The audit still reads the full chains, and each chain's dimensions are
 checked against its tensor at the first forward. The constraints reach the backend through a ``Sharder`` (torch_xla's
 ``backends.annotate.XlaSharder``, the JAX backend's ``JaxSharder``). Example::
 
@@ -20,12 +20,14 @@ checked against its tensor at the first forward. The constraints reach the backe
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+import warnings
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .batch import batch_inputs, uneven_note
 from .errors import PlanError
 from .lowering import scope
 from .plan.layout import Chain, Layout, ModuleLayout, activation_spec
@@ -41,8 +43,7 @@ class Sharder(Protocol):
     def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
         """``x`` laid out as ``spec`` (a partition spec over mesh axes), its gradient too."""
 
-    def batch_size(self, axes: tuple[str, ...]) -> int:
-        """The number of devices ``axes`` span."""
+    sizes: Mapping[str, int]  # the mesh's axis sizes
 
 
 class Constrainer:
@@ -50,14 +51,13 @@ class Constrainer:
 
     def __init__(self, sharder: Sharder, layout: Layout, checks: bool = True):
         self.sharder, self.tp_axis, self.batch_axes = sharder, layout.tp_axis, layout.batch_axes
-        self.batch_size = sharder.batch_size(self.batch_axes)
         self.checks = checks  # check each placement against the tensor's rank (else once, at the first forward)
 
     def applies(self, x: Any) -> bool:
         return self.sharder.applies(x)
 
     def spec(self, placement: Any, x: torch.Tensor) -> tuple:
-        return activation_spec(placement, tuple(x.shape), self.tp_axis, self.batch_axes, self.batch_size)
+        return activation_spec(placement, tuple(x.shape), self.tp_axis, self.batch_axes, self.sharder.sizes)
 
     def __call__(self, x: Any, placements: Chain, ml: ModuleLayout, role: str, index: Any) -> Any:
         if not placements or not self.applies(x) or x.dim() == 0:
@@ -163,14 +163,33 @@ def _pruned(ml: ModuleLayout) -> ModuleLayout:
                                outputs=tuple(runtime_chain(ml, c, False) for c in ml.outputs))
 
 
-def entry_hook(constrain: Constrainer):
-    """Pre-hook: the first input of the outermost parallelized forward, batch split over the data axes."""
+def entry_hook(constrain: Constrainer, main_input: Optional[str]):
+    """Pre-hook of the outermost parallelized forward: every input that carries the batch (by position or
+    by keyword, ``batch.batch_inputs``; ``main_input``: the model's ``main_input_name``) split over the
+    batch axes; a batch that does not divide them is split as far as it does, with a warning once."""
     def hook(module: nn.Module, args: tuple, kwargs: dict):
-        if not args or scope.depth() != 1 or not constrain.applies(args[0]) or args[0].dim() == 0:
+        if scope.depth() != 1:
             return None
-        x = args[0]
-        return (constrain.sharder.constrain(x, constrain.spec(Replicate(), x)), *args[1:]), kwargs
+        found = {key: x for key, x in batch_inputs(args, kwargs, main_input) if constrain.applies(x)}
+        if not found:
+            return None
+        _warn_uneven(module, next(iter(found.values())).shape[0], constrain)
+        split = {key: constrain.sharder.constrain(x, constrain.spec(Replicate(), x)) for key, x in found.items()}
+        return (tuple(split.get(i, a) for i, a in enumerate(args)),
+                {k: split.get(k, v) for k, v in kwargs.items()})
     return hook
+
+
+_warned_uneven: set[tuple[str, int]] = set()
+
+
+def _warn_uneven(module: nn.Module, size: int, constrain: Constrainer) -> None:
+    if torch.compiler.is_compiling():
+        return
+    note = uneven_note(size, constrain.batch_axes, constrain.sharder.sizes)
+    if note is not None and (type(module).__name__, size) not in _warned_uneven:
+        _warned_uneven.add((type(module).__name__, size))
+        warnings.warn(f"xla_tp: {type(module).__name__}: {note}", stacklevel=4)
 
 
 def install_constraints(root: nn.Module, state: ModelState, sharder: Sharder) -> None:
@@ -188,7 +207,8 @@ def install_constraints(root: nn.Module, state: ModelState, sharder: Sharder) ->
             other.remove_constraint_hooks(key)
     constrain = Constrainer(sharder, layout, checks=False)
     if layout.batch_axes:  # the batch's split first, then the root's own layouts (a sequence-parallel root refines it)
-        state.add_constraint_hooks(root, [root.register_forward_pre_hook(entry_hook(constrain), with_kwargs=True)])
+        hook = entry_hook(constrain, getattr(root, "main_input_name", None))
+        state.add_constraint_hooks(root, [root.register_forward_pre_hook(hook, with_kwargs=True)])
     for fqn, ml in layout.modules.items():
         mod = root.get_submodule(fqn) if fqn else root
         pruned = _pruned(ml)

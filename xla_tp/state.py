@@ -84,6 +84,7 @@ class ModelState:
     exit_hook: Any = None  # the root's last post-hook (``lowering.scope``), registered after the others
     lease: Any = None  # on the compatibility effects (``compat``)
     finalizer: Any = None
+    modules: Any = field(default_factory=weakref.WeakSet)  # the modules of the model when it was parallelized
 
     def explain(self) -> str:
         """What this call did, as text: the mesh, each planned module's style, the lowering it found.
@@ -202,6 +203,23 @@ def stale_params(module: nn.Module, layout: Layout) -> set[str]:
     return {name for name, record in previous.records.items()
             if record is not None and name not in layout.params and name in params
             and getattr(param_state(params[name]), "sharding", None) is record}
+
+
+def added_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """FQN -> module, for each module of ``model`` that holds parameters of its own and was not there when
+    ``model`` (or the model around it) was parallelized: an adapter such as LoRA's ``lora_A``/``lora_B``,
+    added by ``peft.get_peft_model`` after ``parallelize_xla``. Empty when nothing under ``model`` is parallelized."""
+    known: set[int] = set()
+    found = [state for _, _, state in states_under(model)]
+    for root, state in all_states():
+        if any(m is model for m in root.modules()):
+            found.append(state)
+    for state in found:
+        known |= {id(m) for m in state.modules}
+    if not known:
+        return {}
+    return {fqn: m for fqn, m in model.named_modules()
+            if id(m) not in known and next(m.parameters(recurse=False), None) is not None}
 
 
 def layout_of(model: nn.Module) -> Optional[Layout]:

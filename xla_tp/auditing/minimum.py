@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ..plan.layout import Chain, Layout
+from ..state import added_modules
 
 
 @dataclass(frozen=True)
@@ -45,14 +46,17 @@ class _Call:
     args: tuple  # original inputs (before the layout's constraints)
     outputs: tuple
     constrained: tuple = ()  # the inputs after the layout's constraints
+    added: bool = False  # a module added after the model was parallelized (``state.added_modules``)
 
 
 class ActivationRecorder:
-    """Temporary hooks on the planned modules recording each call's inputs and outputs."""
+    """Temporary hooks on the planned modules, and on the modules added since the model was parallelized
+    (adapters), recording each call's inputs and outputs."""
 
     def __init__(self, root: nn.Module, layout: Layout):
         self.root, self.layout = root, layout
         self.calls: list[_Call] = []
+        self.added = added_modules(root)
         self._handles: list[Any] = []
 
     def __enter__(self) -> "ActivationRecorder":
@@ -61,7 +65,15 @@ class ActivationRecorder:
             self._handles.append(mod.register_forward_pre_hook(self._pre(fqn), prepend=True))
             self._handles.append(mod.register_forward_pre_hook(self._constrained()))
             self._handles.append(mod.register_forward_hook(self._post()))
+        for fqn, mod in self.added.items():
+            self._handles.append(mod.register_forward_hook(self._added(fqn)))
         return self
+
+    def _added(self, fqn: str):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            outs = tuple(output) if isinstance(output, (tuple, list)) else (output,)
+            self.calls.append(_Call(fqn, tuple(args), outs, added=True))
+        return hook
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._handles:
@@ -147,7 +159,11 @@ def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
     """Every collective the layouts imply for the recorded calls, in call order."""
     count = _Counter(layout, sizes, backward)
     grad_reduced: set[int] = set()
+    for call, role in adapters(calls, layout).values():
+        _adapter(call, role, count)
     for call in calls:
+        if call.added:
+            continue
         ml = layout.modules[call.fqn]
         mod = root.get_submodule(call.fqn) if call.fqn else root
         for i, arg in enumerate(call.args):
@@ -167,3 +183,38 @@ def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
                 grad_reduced.add(id(x))
                 count.add("all-reduce", x, f"{call.fqn} input grad")
     return count.found
+
+
+def adapters(calls: list[_Call], layout: Layout) -> dict[str, tuple[_Call, str]]:
+    """Each recorded call of a module added after the model was parallelized, by FQN, that adapts a planned
+    layer it sits in (LoRA's ``lora_A``/``lora_B``): ``(call, role)``, where ``role`` is the layout
+    Megatron gives it beside its layer: ``"row"`` for one contracting a row-parallel layer's split input
+    (its output a partial sum: one all-reduce; its weight split on its input), ``"column"`` for one
+    writing a column-parallel layer's split output (its input's gradient a partial sum; its weight split
+    on its output). Adapters in neither place are replicated and cost nothing."""
+    found = {}
+    for call in calls:
+        if not call.added or not call.args or not call.outputs:
+            continue
+        owner = max((c for c in calls if not c.added and c.args and c.outputs and call.fqn.startswith(c.fqn + ".")),
+                    key=lambda c: len(c.fqn), default=None)
+        if owner is None:
+            continue
+        natural = layout.modules[owner.fqn].natural_output
+        x, y = call.args[0], call.outputs[0]
+        if isinstance(natural, Partial) and _width(x) is not None and _width(x) == _width(owner.args[0]):
+            found[call.fqn] = (call, "row")
+        elif isinstance(natural, Shard) and _width(y) is not None and _width(y) == _width(owner.outputs[0]):
+            found[call.fqn] = (call, "column")
+    return found
+
+
+def _width(t: Any) -> Optional[int]:
+    return int(t.shape[-1]) if isinstance(t, torch.Tensor) and t.dim() else None
+
+
+def _adapter(call: _Call, role: str, count: _Counter) -> None:
+    if role == "row":
+        count.add("all-reduce", call.outputs[0], f"{call.fqn} output (adapter of a row-parallel layer)")
+    elif count.backward and call.args[0].requires_grad:
+        count.add("all-reduce", call.args[0], f"{call.fqn} input grad (adapter of a column-parallel layer)")

@@ -17,6 +17,7 @@ process read torch_xla's HLO before with ``XLA_DUMP_POST_OPTIMIZATIONS`` unset (
 """
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections import Counter
 from typing import Any, Callable, Optional, Union
@@ -27,9 +28,11 @@ import torch_xla
 import torch_xla.core.xla_model as xm
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
-from ..axes import EXPERT, batch_axes, batch_ways
+from ..axes import EXPERT, batch_axes
+from ..batch import main_input, uneven_note
+from ..errors import PlanError
 from ..lowering import scope
 from ..lowering.routed import dispatch_collectives
 from ..lowering.packed import original_shape
@@ -38,57 +41,81 @@ from ..plan.layout import Layout, uses_axis
 from ..state import constraint_handles, layout_of
 from .capture import capture_partitioned_hlo, route
 from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
-from .minimum import ActivationRecorder, Expected, minimum_collectives
+from .minimum import ActivationRecorder, Expected, adapters, minimum_collectives
 from .params import local_numel, param_bytes, sharding_string
 from .report import AuditReport
 
 Target = Union[nn.Module, Callable[..., Any]]
 
 
+RESERVED = ("mesh", "backward", "plan_layout")  # audit's own keywords: never a model input
+
+
 def audit(module_or_fn: Target, *example_args: Any, mesh: MeshLike = None, backward: bool = False,
-          plan_layout: Optional[Layout] = None) -> AuditReport:
-    """Audit the compiled, partitioned program of ``module_or_fn(*example_args)``.
+          plan_layout: Optional[Layout] = None, **example_kwargs: Any) -> AuditReport:
+    """Audit the compiled, partitioned program of ``module_or_fn(*example_args, **example_kwargs)``: the
+    inputs as the model takes them, by position or by keyword as Hugging Face users pass them
+    (``audit(model, mesh=mesh, **tokenizer(text, return_tensors="pt"))``), traced as given, so the
+    program is the one the same call compiles. ``mesh``, ``backward`` and ``plan_layout`` are the audit's
+    own: a model with an input of one of those names is refused (wrap it in a module that passes it).
 
     ``plan_layout`` (default: every layout ``parallelize_xla`` applied to the module and its
     submodules, merged) defines the communication minimum. Example::
 
         model = xla_tp.parallelize_xla(model, plan, mesh=mesh)
         print(xla_tp.audit(model, x, mesh=mesh))
+        print(xla_tp.audit(model, mesh=mesh, input_ids=ids, attention_mask=mask))
     """
+    _refuse_reserved(module_or_fn)
     xmesh = to_xs_mesh(mesh)
-    _warn_uneven_batch(example_args, xmesh)
-    return audit_here(module_or_fn, example_args, xmesh, backward, plan_layout)
+    with warnings.catch_warnings():  # the model's own warning of an uneven batch: the audit's below says it once
+        warnings.filterwarnings("ignore", message=r"xla_tp: .*batch \d+ does not divide")
+        report = audit_here(module_or_fn, example_args, xmesh, backward, plan_layout, kwargs=example_kwargs)
+    note = _uneven_batch(module_or_fn, example_args, example_kwargs, xmesh)
+    if note is not None:
+        warnings.warn(f"xla_tp: {note}; the audit measures that program", stacklevel=2)
+        report.notes.append(note)
+    return report
 
 
-def _warn_uneven_batch(args: tuple, xmesh: Any) -> None:
-    """Warn when the batch (dim 0 of the first tensor argument) does not divide over the mesh's batch
-    axes: XLA then pads or replicates it, and the report measures that program, not an even batch's."""
-    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
-    axes, shards = batch_axes(sizes), batch_ways(sizes)
-    first = next((a for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.dim()), None)
-    if first is None or first.shape[0] % shards == 0:
+def _refuse_reserved(target: Target) -> None:
+    """``PlanError`` when ``target`` takes an input named like one of the audit's own keywords."""
+    forward = target.forward if isinstance(target, nn.Module) else target
+    try:
+        names = set(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
         return
-    over = ",".join(f"{a}={sizes[a]}" for a in axes)
-    warnings.warn(f"xla_tp: batch {first.shape[0]} does not divide over {over}: XLA pads or replicates it, so "
-                  f"the audit's compute balance and communication are not those of an even batch; use a batch "
-                  f"that is a multiple of {shards}", stacklevel=3)
+    clash = sorted(names & set(RESERVED))
+    if clash:
+        raise PlanError(f"audit: {type(target).__name__} takes an input named {clash[0]!r}, which is one of the "
+                        f"audit's own keywords ({', '.join(RESERVED)}); audit a small module whose forward passes "
+                        f"it on under another name")
+
+
+def _uneven_batch(target: Target, args: tuple, kwargs: dict, xmesh: Any) -> Optional[str]:
+    """What the program does with a batch that does not divide over the mesh's batch axes (None: it does)."""
+    sizes = dict(zip(xmesh.axis_names, (int(s) for s in xmesh.mesh_shape)))
+    main = main_input(args, kwargs, getattr(target, "main_input_name", None))
+    return None if main is None else uneven_note(main.shape[0], batch_axes(sizes), sizes)
 
 
 def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
-               plan_layout: Optional[Layout], unsharded_flops: Optional[int] = None) -> AuditReport:
+               plan_layout: Optional[Layout], unsharded_flops: Optional[int] = None,
+               kwargs: Optional[dict] = None) -> AuditReport:
     """``audit`` on an ``xs.Mesh``.
 
     ``unsharded_flops``, when the caller knows it, saves compiling the unsharded program.
     """
+    kwargs = kwargs or {}
     module = target if isinstance(target, nn.Module) else None
     layout = plan_layout or (layout_of(module) if module is not None else None)
     seed = xm.get_rng_state()
-    kept = _Annotations([*(module.parameters() if module is not None else ()), *tree_leaves(args)])
+    kept = _Annotations([*(module.parameters() if module is not None else ()), *tree_leaves((args, kwargs))])
     try:
-        text, calls = _trace(target, args, backward, layout)
+        text, calls = _trace(target, args, kwargs, backward, layout)
         unsharded = unsharded_flops
         if unsharded is None and module is not None:
-            unsharded = unsharded_dot_flops(module, args, backward)
+            unsharded = unsharded_dot_flops(module, args, backward, kwargs)
     finally:
         xm.set_rng_state(seed)
         kept.restore()
@@ -147,36 +174,36 @@ class _Annotations:
             torch_xla._XLAC._xla_clear_sharding(t)
 
 
-def _trace(target: Target, args: tuple, backward: bool, layout: Optional[Layout]):
+def _trace(target: Target, args: tuple, kwargs: dict, backward: bool, layout: Optional[Layout]):
     """Trace forward (and backward) lazily; return the partitioned HLO and the recorded calls."""
     module = target if isinstance(target, nn.Module) else None
     if module is None or layout is None:
-        return capture_partitioned_hlo(_outputs(target, args, backward, None)), []
+        return capture_partitioned_hlo(_outputs(target, args, kwargs, backward, None)), []
     with ActivationRecorder(module, layout) as recorder:
-        tensors = _outputs(module, args, backward, dict(module.named_parameters()))
+        tensors = _outputs(module, args, kwargs, backward, dict(module.named_parameters()))
     return capture_partitioned_hlo(tensors), recorder.calls
 
 
-def _outputs(target: Target, args: tuple, backward: bool,
+def _outputs(target: Target, args: tuple, kwargs: dict, backward: bool,
              params: Optional[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
     """Forward outputs, plus with ``backward`` the gradients of their sum w.r.t. ``params``."""
     if isinstance(target, nn.Module):
         buffers = {n: b.clone() for n, b in target.named_buffers()}
-        out = functional_call(target, {**(params or {}), **buffers}, args)
+        out = functional_call(target, {**(params or {}), **buffers}, args, kwargs)
     else:
-        out = target(*args)
+        out = target(*args, **kwargs)
     leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     if not backward:
         return leaves
     wrt = [p for p in (params or {}).values() if p.requires_grad]
-    wrt += [a for a in tree_leaves(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+    wrt += [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.requires_grad]
     loss = sum(t.float().sum() for t in leaves if t.requires_grad)
     if not wrt or not isinstance(loss, torch.Tensor):
         raise ValueError("audit(backward=True): nothing requires a gradient")
     return leaves + list(torch.autograd.grad(loss, wrt, allow_unused=True, materialize_grads=True))
 
 
-def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
+def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool, kwargs: Optional[dict] = None) -> int:
     """Dot FLOPs of the same computation with no sharding anywhere (fresh unannotated inputs), on the
     model's original shapes (zero heads the plan added count as work).
 
@@ -187,10 +214,10 @@ def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool) -> int:
     params = {n: _distinct(original_shape(p), p.dtype, device, i).requires_grad_(p.requires_grad)
               if p.is_floating_point() else p.detach().cpu().to(device)
               for i, (n, p) in enumerate(module.named_parameters())}
-    plain = tuple(a.detach().cpu().to(device).requires_grad_(a.requires_grad)
-                  if isinstance(a, torch.Tensor) else a for a in args)
+    plain = tree_map(lambda a: a.detach().cpu().to(device).requires_grad_(a.requires_grad)
+                     if isinstance(a, torch.Tensor) else a, (args, kwargs or {}))
     with _suspended_hooks(module), scope.suspended():
-        return dot_flops(capture_partitioned_hlo(_outputs(module, plain, backward, params)))
+        return dot_flops(capture_partitioned_hlo(_outputs(module, *plain, backward, params)))
 
 
 def _distinct(shape: torch.Size, dtype: torch.dtype, device: torch.device, index: int) -> torch.Tensor:
@@ -239,7 +266,12 @@ def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Lay
     expected = minimum_collectives(calls, module, layout, report.mesh, report.backward)
     expected += _expert_dispatch(calls, module, report.mesh, report.backward)
     if report.backward:
-        expected += _data_grad_allreduces(module, layout, report.mesh, grad_numel)
+        tp = report.mesh.get(layout.tp_axis, 1)
+        split = {f"{fqn}.weight" for fqn in adapters(calls, layout)}  # Megatron splits an adapter with its layer
+
+        def numel(name: str, p: torch.Tensor) -> int:
+            return grad_numel(name, p) // (tp if name in split else 1)
+        expected += _data_grad_allreduces(module, layout, report.mesh, numel)
     if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
         tp = report.mesh.get(layout.tp_axis, 1)
         expected = [Expected("all-reduce", e.elements * tp, e.dtype, e.where)
@@ -255,6 +287,13 @@ def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Lay
         entry["bytes"] += e.elements * size
     report.expected = summary
     report.comm_minimum_bytes = sum(v["bytes"] for v in summary.values())
+    added = sorted({c.fqn for c in calls if c.added})
+    if added:
+        kinds = sorted({type(module.get_submodule(fqn)).__name__ for fqn in added})
+        report.notes.append(f"{len(added)} modules added after parallelize_xla ({', '.join(kinds)}; e.g. {added[0]}) "
+                            f"are not in the plan: their parameters are whole on every device and their work runs "
+                            f"on each; the minimum counts them as Megatron lays out an adapter beside its layer (split "
+                            f"with it, one all-reduce of its rank-sized activation)")
 
 
 def _expert_dispatch(calls: list, module: nn.Module, sizes: dict[str, int], backward: bool) -> list[Expected]:

@@ -11,7 +11,6 @@ the same annotation is the custom op ``xla_tp::constrain`` (``dynamo``). Example
 """
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -54,6 +53,3 @@ class XlaSharder:
         if torch.compiler.is_compiling():
             return dynamo.constrain(x, self.name, tuple(spec))
         return dynamo.annotated(x, self.mesh.get_op_sharding(tuple(spec)))
-
-    def batch_size(self, axes: tuple[str, ...]) -> int:
-        return math.prod(self.sizes.get(a, 1) for a in axes)

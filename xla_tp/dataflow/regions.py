@@ -170,7 +170,7 @@ def explore(graph: Graph, proj: Projection) -> Region:
                     region.values[out.index] = f
                     if (f.base, f.span) != (feats.base, feats.span):
                         region.slicers.add(node.module)
-                    if f.hard:
+                    if f.hard and not _split_per_block(out, f):
                         region.granules.setdefault(f.lead.size, node)
                         region.granule_windows.setdefault(f.lead.size, (f.base, f.span))
                     if any(x.outer > 1 for x in f.factors):
@@ -191,6 +191,16 @@ def explore(graph: Graph, proj: Projection) -> Region:
         node = next(iter(region.reductions.values()))
         region.stop, region.stop_node = f"reduces ({node.op}) over the sharded dimension", node
     return region
+
+
+def _split_per_block(value: Value, feats: Features) -> bool:
+    """Whether every consumer of ``value`` takes its leading factor apart one index at a time (ModernBERT's
+    ``qkv.view(b, s, 3, heads, d).unbind(-3)``): then that factor is a packing of blocks, not a number of
+    heads the axis must divide; each block's own heads are its granules."""
+    block = feats.span / feats.lead.size
+    steps = [step(node, pos, feats) for node, pos in value.consumers]
+    return bool(steps) and all(not s.stop and s.row is None and s.outputs and all(f.span == block for _, f in s.outputs)
+                               for s in steps)
 
 
 def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Node) -> bool:

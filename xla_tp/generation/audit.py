@@ -4,8 +4,8 @@ The prefill runs for real (it fills the cache the step reads); the step is trace
 not run, and dropped with its cache: one program with the forward ``generate`` replays
 (``captured``) and the choice it runs after, so the collectives of both. A tensor-parallel decoder's minimum is two all-reduces of
 ``[batch, 1, hidden]`` per layer (attention and MLP outputs), one more for a vocabulary-split
-embedding, and one of ``[batch]`` for the greedy choice over vocabulary-split logits (``choose``); no
-all-gather. Top-k and top-p sort the whole vocabulary, which gathers the logits. Example::
+embedding, one of ``[batch]`` for the greedy choice over vocabulary-split logits (``choose``), and on a
+data axis one all-gather of the chosen ``[batch]`` tokens, which the host reads (``run.Chosen``). Top-k and top-p sort the whole vocabulary, which gathers the logits. Example::
 
     report = audit_decode(model, input_ids)
     report.collectives          # {'all-reduce': {'count': 6, 'bytes': ..., 'axes': ['model']}}
@@ -40,8 +40,8 @@ def audit_decode(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int 
         # the prefill runs asynchronously, its cache donated next: reading the step's HLO while it runs can
         # crash the process (a segmentation fault, now and then), so wait for it
         xm.wait_device_ops()
-        following = decoding.step(first)
-        text = capture_partitioned_hlo([following, decoding.positions, decoding.slots, *decoding.cache_tensors()])
+        following = decoding.step(first.tokens)
+        text = capture_partitioned_hlo([*following, decoding.positions, decoding.slots, *decoding.cache_tensors()])
     mesh: Any = decoder.placement.mesh
     ids = np.asarray(mesh.device_ids).reshape(tuple(mesh.mesh_shape))
     report, _ = report_from_hlo(text, ids, tuple(str(n) for n in mesh.axis_names), False, None)

@@ -22,13 +22,13 @@ from __future__ import annotations
 import functools
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 import torch_xla
-import torch_xla.debug.metrics as met
 from torch import nn
 
+from ..compiles import compiled
 from ..errors import GenerationError
 from ..lowering.routed import dropless
 from .buckets import lengths
@@ -49,7 +49,7 @@ class Generated:
     prompt_bucket: int  # the prompt's padded length
     cache_length: int
     batch: int  # rows compiled (the caller's, padded to a multiple of the mesh's batch ways)
-    compiles: int  # programs compiled during the call
+    compiles: int  # programs compiled during the call (every one: ``xla_tp.compiles``)
     first_token_seconds: float
     seconds: float
     kv_bytes_per_device: int
@@ -60,6 +60,15 @@ class Generated:
         """New tokens per second after the first (decode steps only), all rows together."""
         after = self.seconds - self.first_token_seconds
         return (self.new_tokens - 1) * self.sequences.shape[0] / after if after > 0 else 0.0
+
+
+class Chosen(NamedTuple):
+    """One step's next tokens ``[B]``: as the next step takes them (split like the batch), and as the host
+    reads them (whole on every device, gathered inside the step: fetching a split tensor would compile a
+    program at every step)."""
+
+    tokens: torch.Tensor
+    readable: torch.Tensor
 
 
 class Decoding:
@@ -76,19 +85,20 @@ class Decoding:
         self.positions = batch.positions.to(device)
         self.slots = torch.arange(batch.ids.shape[1]).to(device)
 
-    def prefill(self) -> torch.Tensor:
-        """The first new tokens ``[B]`` (pending: the program runs at the next ``torch_xla.sync()``)."""
+    def prefill(self) -> Chosen:
+        """The first new tokens (pending: the program runs at the next ``torch_xla.sync()``)."""
         return self._feed(self.prompt, self.decoder.logits)
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed ``tokens`` ``[B]``; the next ones (pending)."""
+    def step(self, tokens: torch.Tensor) -> Chosen:
+        """Feed ``tokens`` ``[B]`` (a ``Chosen.tokens``); the next ones (pending)."""
         return self._feed(tokens, self.step_logits)
 
-    def _feed(self, ids: torch.Tensor, logits_of: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def _feed(self, ids: torch.Tensor, logits_of: Callable[..., torch.Tensor]) -> Chosen:
         logits = logits_of(ids, self.positions, self.slots, self.valid, self.cache)
         # advanced with the choice, so every decode step takes the same shapes
         self.positions, self.slots = self.positions[:, -1:] + 1, self.slots[-1:] + 1
-        return choose(logits, self.sampling)
+        tokens = choose(logits, self.sampling)
+        return Chosen(tokens, self.decoder.placement.sharder.annotate(tokens, (None,)))
 
     def cache_tensors(self) -> list[torch.Tensor]:
         return self.decoder.cache_tensors(self.cache)
@@ -142,7 +152,7 @@ def run(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *,
     decoder = decoder_for(model)
     batch, cache_length, eos, pad = prepare(decoder, input_ids, attention_mask, max_new_tokens, eos_token_id,
                                             pad_token_id, cache_length)
-    compiled, start = met.counter_value("UncachedCompile") or 0, time.perf_counter()
+    before, start = compiled(), time.perf_counter()
     tokens = Tokens(batch.rows, eos, pad, streamer)
     if streamer is not None:
         streamer.put(input_ids.cpu())
@@ -152,22 +162,22 @@ def run(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *,
         pending = decoding.prefill()
         torch_xla.sync()
         for _ in range(max_new_tokens - 1):
-            following = decoding.step(pending)
+            following = decoding.step(pending.tokens)
             torch_xla.sync()  # dispatched: the device runs it while the host reads the tokens before it
-            finished = tokens.add(pending)
+            finished = tokens.add(pending.readable)
             first = first or time.perf_counter()
             if finished:
                 break
             pending = following
         else:
-            tokens.add(pending)
+            tokens.add(pending.readable)
     end = time.perf_counter()
     tokens.end()
     per_device, total = cache_bytes(decoding.cache_tensors())
     new = tokens.new()
     sequences = torch.cat([input_ids.cpu(), new.to(input_ids.dtype)], dim=1).to(input_ids.device)
     return Generated(sequences, new.shape[1], batch.ids.shape[1], cache_length, batch.ids.shape[0],
-                     (met.counter_value("UncachedCompile") or 0) - compiled, (first or end) - start, end - start,
+                     compiled() - before, (first or end) - start, end - start,
                      per_device, total)
 
 

@@ -25,11 +25,11 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 import torch_xla
-import torch_xla.debug.metrics as met
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
 from ..axes import batch_axes, spec_entry
+from ..compiles import compiled
 from ..lowering.routed import moe_report
 from .checkpoints import Checkpoints
 from .data import IGNORE, Batches
@@ -191,9 +191,8 @@ class Loop:
 
     def _metrics(self, step: int, loss: float, lr: float, seconds: float, steps: int,
                  elapsed: float) -> dict[str, Any]:
-        compiles = met.metric_data("CompileTime")
         tokens_per_s = steps * self.recipe.batch * self.recipe.seq_len / max(seconds, 1e-9)
         mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / self.peak_flops
         return {"step": step, "steps": self.recipe.steps, "loss": loss, "lr": lr,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": round(elapsed, 3),
-                "compiles": int(compiles[0]) if compiles else 0, **moe_dropped(self.model)}
+                "compiles": compiled(), **moe_dropped(self.model)}

@@ -13,6 +13,7 @@ output gets the original order back (with one warning naming the op: it moves da
 """
 from __future__ import annotations
 
+import math
 import threading
 import warnings
 from typing import Any, Callable, Optional
@@ -66,6 +67,10 @@ class Lowering(TorchFunctionMode):
         packing = packed.tag_of(tensor)
         if _metadata(func):
             return func(*args, **kwargs)
+        if func in _RESHAPES:  # features split into the packing's blocks, then heads: read in place
+            out = packed.blocks_view(tensor, packing, _view_shape(args, kwargs, tensor))
+            if out is not None:
+                return out
         if packing.padded and func in _RESHAPES:  # the model's own sizes name the original features
             out = func(*_laid_shape(args, packing), **kwargs)
             if out.shape[-1] == packing.laid_size:
@@ -106,6 +111,15 @@ def _metadata(func: Callable) -> bool:
         name = (resolve_name(func) or getattr(func, "__name__", "")).removesuffix(".__get__").rsplit(".", 1)[-1]
         known = _SEEN[func] = name in _METADATA
     return known
+
+
+def _view_shape(args: tuple, kwargs: dict, t: torch.Tensor) -> tuple[int, ...]:
+    """The shape a ``view``/``reshape`` of ``t`` asks for, a -1 resolved (``()`` if it names none)."""
+    shape = args[1] if len(args) == 2 and isinstance(args[1], (tuple, list, torch.Size)) else args[1:] or kwargs.get("shape", ())
+    if not all(isinstance(n, int) for n in shape) or list(shape).count(-1) > 1:
+        return ()
+    known = math.prod(n for n in shape if n != -1)
+    return tuple(t.numel() // known if n == -1 and known else n for n in shape)
 
 
 def _laid_shape(args: tuple, packing: packed.Packing) -> tuple:

@@ -23,6 +23,7 @@ True
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -134,6 +135,22 @@ def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:
     n = sizes[index] // tp
     part = y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n]
     return part if index in packing.whole else part.flatten(-2)
+
+
+def blocks_view(y: torch.Tensor, packing: Packing, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+    """``y.view(*lead, n, *rest)`` in the original order, read in place: the features split into the ``n`` equal
+    blocks of the packing, then each block's own dims (ModernBERT's ``qkv.view(b, s, 3, heads, d)``), when
+    ``tp`` divides the first of them (whole heads per device). None if ``shape`` is not such a view."""
+    lead, n = y.dim() - 1, len(packing.blocks)
+    sizes = {size for _, size in packing.blocks}
+    if (packing.padded or packing.whole or len(sizes) != 1 or len(shape) < lead + 3
+            or tuple(shape[:lead]) != tuple(y.shape[:lead]) or shape[lead] != n):
+        return None
+    rest, (size,) = tuple(shape[lead + 1:]), sizes
+    if math.prod(rest) != size or rest[0] % packing.tp:
+        return None
+    blocks = y.unflatten(-1, (packing.tp, n, size // packing.tp)).transpose(-3, -2)  # [..., n, tp, size / tp]
+    return blocks.reshape(*shape[:lead], n, *rest)
 
 
 def unpermute(y: torch.Tensor, packing: Packing) -> torch.Tensor:

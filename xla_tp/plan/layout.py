@@ -19,10 +19,12 @@ ModuleLayout(fqn='layers.0.wq', source='layers.*.wq', style='ColwiseParallel()',
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Mapping, Optional, Union
 
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
+from ..axes import spec_entry
+from ..batch import batch_split
 from .subaxis import split_sub_axis
 
 Axis = Union[str, tuple[str, ...], None]
@@ -94,12 +96,13 @@ def chain(*placements: Optional[Placement]) -> Chain:
 
 
 def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis: str,
-                    batch_axes: tuple[str, ...], batch_size: int) -> Spec:
+                    batch_axes: tuple[str, ...], sizes: Mapping[str, int]) -> Spec:
     """The partition spec of an activation of ``shape`` under ``placement`` over ``tp_axis``.
 
-    Dimension 0 is the batch: it is sharded over ``batch_axes`` (data/fsdp) when it divides
-    ``batch_size`` (their product), so a TP constraint never gathers the data-parallel axis.
-    ``activation_spec(Shard(1), (8, 16, 64), "model", ("data",), 2) == ("data", "model", None)``
+    Dimension 0 is the batch: it is sharded over ``batch_axes`` (data/fsdp; ``sizes``: the mesh's axis
+    sizes), or over the largest group of them it divides (``batch.batch_split``), so a TP constraint
+    never gathers the data-parallel axis and every constraint splits the batch as the model's entry does.
+    ``activation_spec(Shard(1), (8, 16, 64), "model", ("data",), {"data": 2}) == ("data", "model", None)``
     An explicit spec (a tuple of axes, from rule lists) is used as it is.
     """
     if isinstance(placement, tuple):
@@ -108,8 +111,7 @@ def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis
     spec: list[Axis] = [None] * ndim
     if ndim == 0:
         return ()
-    if batch_axes and shape[0] % batch_size == 0:
-        spec[0] = batch_axes if len(batch_axes) > 1 else batch_axes[0]
+    spec[0] = spec_entry(batch_split(shape[0], batch_axes, sizes))
     if isinstance(placement, Shard):
         dim = placement.dim % ndim
         spec[dim] = (*spec_axes(spec[dim]), tp_axis) if spec[dim] is not None else tp_axis

@@ -84,14 +84,13 @@ class _CopySharder:
     """Each constraint step a new tensor, as on the real backends (the recorder tells constrained
     inputs from the arguments as given by identity); nothing is laid out."""
 
+    sizes: dict[str, int] = {}
+
     def applies(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
 
     def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
         return x.clone()
-
-    def batch_size(self, axes: tuple[str, ...]) -> int:
-        return 1
 
 
 def record_calls(module: torch.nn.Module, layout: Layout, args: tuple, kwargs: dict) -> list:

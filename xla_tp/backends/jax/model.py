@@ -13,7 +13,6 @@ parameters live in ``params`` as jax arrays laid out as the plan's layout says. 
 from __future__ import annotations
 
 import inspect
-import math
 from typing import Any, Callable
 
 import jax
@@ -24,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor.placement_types import Replicate
 
 from ... import lowering
+from ...batch import batch_inputs
 from ...plan.layout import Layout, activation_spec
 from ...state import state_of
 from .audit import audit_jax, compiled_hlo
@@ -85,15 +85,17 @@ class JaxModel:
             host = jax.tree_util.tree_map(lambda a: to_torch(a) if isinstance(a, jax.Array) else
                                           torch.from_numpy(a) if isinstance(a, np.ndarray) else a, (args, kwargs))
             lowering.find_at_call(self.module, state, *host, embeddings=False)
-        return Inputs.split(args, kwargs, self._to_array)
+        batched = {id(x) for _, x in batch_inputs(args, kwargs, getattr(self.module, "main_input_name", None))}
+        return Inputs.split(args, kwargs, lambda x: self._to_array(x, id(x) in batched))
 
-    def _to_array(self, x: Any) -> jax.Array:
+    def _to_array(self, x: Any, batched: bool) -> jax.Array:
+        """``x`` as a jax array: split on the batch if it carries it (``xla_tp.batch``), else replicated."""
         if isinstance(x, jax.Array):
             return x
         if isinstance(x, np.ndarray):
             x = torch.from_numpy(x)
-        batch = math.prod(self.mesh.shape[a] for a in self.layout.batch_axes)
-        spec = activation_spec(Replicate(), tuple(x.shape), self.layout.tp_axis, self.layout.batch_axes, batch)
+        spec = activation_spec(Replicate(), tuple(x.shape), self.layout.tp_axis,
+                               self.layout.batch_axes if batched else (), dict(self.mesh.shape))
         return to_jax(x, NamedSharding(self.mesh, PartitionSpec(*spec)))
 
     def loss(self, loss_fn: LossFn, constrained: bool = True) -> Callable:

@@ -16,7 +16,6 @@ Hugging Face ``ModelOutput`` comes back as one. Example::
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -108,16 +107,13 @@ class JaxSharder:
     transpose is the same constraint, so the gradient is laid out alike)."""
 
     def __init__(self, mesh: Mesh):
-        self.mesh = mesh
+        self.mesh, self.sizes = mesh, dict(mesh.shape)
 
     def applies(self, x: Any) -> bool:
         return isinstance(x, (torchax.tensor.Tensor, View))
 
     def constrain(self, x: torch.Tensor, spec: tuple) -> torch.Tensor:
         return call_jax(jax.lax.with_sharding_constraint, x, NamedSharding(self.mesh, PartitionSpec(*spec)))
-
-    def batch_size(self, axes: tuple[str, ...]) -> int:
-        return math.prod(self.mesh.shape[a] for a in axes)
 
 
 class _Bound(nn.Module):

@@ -1,0 +1,39 @@
+"""Tiny Hugging Face encoders and vision models (2 layers, 8 heads, hidden 64), each with the inputs its users pass
+by keyword: what the suite calls as a user does."""
+from __future__ import annotations
+
+import torch
+import transformers as T
+
+SIZE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128)
+VISION = dict(SIZE, image_size=32, patch_size=8)
+
+
+def _text(vocab: int = 64) -> dict[str, torch.Tensor]:
+    ids = torch.randint(4, vocab - 2, (4, 16))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+
+
+def _pixels() -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(4, 3, 32, 32)}
+
+
+BUILDERS = {
+    "esm": lambda: (T.EsmModel(T.EsmConfig(vocab_size=33, pad_token_id=1, max_position_embeddings=64, **SIZE),
+                               add_pooling_layer=False), _text(33)),
+    "vit": lambda: (T.ViTModel(T.ViTConfig(**VISION), add_pooling_layer=False), _pixels()),
+    "clip_vision": lambda: (T.CLIPVisionModel(T.CLIPVisionConfig(**VISION)), _pixels()),
+    "siglip_vision": lambda: (T.SiglipVisionModel(T.SiglipVisionConfig(**VISION)), _pixels()),
+    "modernbert": lambda: (T.ModernBertModel(T.ModernBertConfig(vocab_size=64, pad_token_id=0, bos_token_id=1,
+                                                                eos_token_id=2, cls_token_id=1, sep_token_id=2,
+                                                                **SIZE)), _text()),
+    "bert": lambda: (T.BertModel(T.BertConfig(vocab_size=64, **SIZE), add_pooling_layer=False),
+                     {**_text(), "token_type_ids": torch.zeros(4, 16, dtype=torch.long)}),
+}
+
+
+def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """``(model in eval mode, its inputs by keyword)`` on the CPU, the same for a seed."""
+    torch.manual_seed(seed)
+    model, inputs = BUILDERS[name]()
+    return model.eval(), inputs

@@ -1,0 +1,90 @@
+"""Which inputs of a call carry the batch, and how each is split over the mesh's batch axes.
+
+A model is called as its users call it: by position (``model(ids)``), by keyword as Hugging Face
+users do (``model(**tokenizer(...))``, ``model(pixel_values=pix)``), with several inputs. The batch
+size is dimension 0 of the *main* input: the one the model names (``main_input_name``) when it is
+passed, else the first tensor passed by position, else the first tensor passed by keyword. The main
+input is split, and so is every floating-point input whose dimension 0 has that size (a diffusion
+model's encoder states and latents, a second embedding), except what only positions a sequence
+(``cache_position``). Integer and boolean side inputs (attention masks, position and token-type ids,
+labels) are left to the compiler, which splits them as the values they meet: split before the model
+builds a mask from them (a gather indexed by positions), GSPMD moves the mask between devices.
+
+The batch is split over the batch axes (``data``, ``fsdp``, ``expert``) when it divides their
+devices. When it does not, the next best split is taken: the largest group of those axes it
+divides (``data=2 x fsdp=2`` with a batch of 6 splits over ``data`` alone), else none, and
+``uneven_note`` says so. (Splitting unevenly is worse: GSPMD pads, then gathers the padded batch.) Example:
+
+>>> import torch
+>>> ids, states = torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 7, 32)
+>>> inputs = {"input_ids": ids, "attention_mask": ids.clone(), "encoder_hidden_states": states, "cache_position": states[0, 0]}
+>>> [key for key, _ in batch_inputs((), inputs, "input_ids")]
+['input_ids', 'encoder_hidden_states']
+>>> batch_split(4, ("data", "fsdp"), {"data": 2, "fsdp": 2}), batch_split(6, ("data", "fsdp"), {"data": 2, "fsdp": 2})
+(('data', 'fsdp'), ('data',))
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Iterator, Mapping, Optional, Union
+
+import torch
+
+POSITION_ONLY = ("cache_position",)  # Hugging Face inputs that position a sequence and never carry the batch
+
+
+def main_input(args: tuple, kwargs: Mapping[str, Any], name: Optional[str]) -> Optional[torch.Tensor]:
+    """The input whose dimension 0 is the batch (see the module docstring), None without one."""
+    named = kwargs.get(name) if name else None
+    if _batched(named):
+        return named
+    return next((x for x in itertools.chain(args, kwargs.values()) if _batched(x)), None)
+
+
+def batch_inputs(args: tuple, kwargs: Mapping[str, Any],
+                 name: Optional[str]) -> Iterator[tuple[Union[int, str], torch.Tensor]]:
+    """``(position or keyword, tensor)`` for every input of the call that carries the batch."""
+    main = main_input(args, kwargs, name)
+    if main is None:
+        return
+    size = main.shape[0]
+    for key, x in itertools.chain(enumerate(args), kwargs.items()):
+        if x is main or _batched(x) and x.shape[0] == size and key not in POSITION_ONLY and x.is_floating_point():
+            yield key, x
+
+
+def batch_split(size: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The batch axes a batch of ``size`` rows is split over: all of ``axes`` when it divides their
+    devices, else the largest (most devices) group of them it divides, in mesh order."""
+    best: tuple[str, ...] = ()
+    for n in range(len(axes), 0, -1):
+        for group in itertools.combinations(axes, n):
+            ways = _devices(group, sizes)
+            if size % ways == 0 and ways > _devices(best, sizes):
+                best = group
+    return best
+
+
+def _devices(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+    n = 1  # a loop, not math.prod over a generator: dynamo traces it (a captured decode step splits its batch)
+    for a in axes:
+        n *= sizes.get(a, 1)
+    return n
+
+
+def uneven_note(size: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> Optional[str]:
+    """What splitting a batch of ``size`` over ``axes`` costs when it does not divide (None when it does)."""
+    ways = _devices(axes, sizes)
+    if size % ways == 0:
+        return None
+    split = batch_split(size, axes, sizes)
+    over = " x ".join(f"{a}={sizes.get(a, 1)}" for a in axes)
+    how = (f"its inputs are split over {' x '.join(split)} only ({_devices(split, sizes)} ways)" if split
+           else "its inputs are whole on every device")
+    return (f"batch {size} does not divide over {over} ({ways} devices): {how}, so devices may repeat each other's "
+            f"work (the audit's compute balance measures it); use a multiple of {ways}")
+
+
+def _batched(x: Any) -> bool:
+    """A tensor or array (torch, numpy, jax) with a dimension 0."""
+    return isinstance(x, torch.Tensor) and x.dim() > 0
