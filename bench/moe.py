@@ -15,7 +15,18 @@ split over the model axis), and ``hf-by-hand`` (the model's own ``tp_plan`` appl
 one ``xs.mark_sharding`` per weight, experts computed by transformers' ``batched_mm``, the one of its
 implementations XLA runs). Each row is the forward audit of a batch of 4 x 128 tokens at capacity
 factor 1.25: collectives, comm ratio (against the plan's own minimum), compute balance (against the
-model's active-expert FLOPs) and parameter bytes per device. Writes ``bench/results/moe.json``.
+model's active-expert FLOPs) and parameter bytes per device.
+
+Then ``costs``: what one MoE layer of each model at its real widths (DeepSeek-V3 with its 256 experts)
+computes and holds per device for 4,096 tokens per data shard on ``data=2 x model=4``, by route: capacity
+1.25 in slots (what it drops), dropless in slots (a slot per token for every expert), and dropless grouped
+(sorted by expert, TPU's grouped-matmul kernel: the row tiles it runs for the group sizes), expert-parallel
+and expert-tensor-parallel. The routing is a skewed one (router logits plus a per-expert bias), the same
+for every route; FLOPs are the expert matmuls' per device, forward, over the routed ones split evenly
+(1.00 = no expert row computed that the router did not ask for); bytes are the layer's rows (bf16) a
+device holds. Nothing is compiled for these: the kernel runs on TPU only, and the counts follow from the
+group sizes (``lowering.ragged.tile_flops``); the slots rows are what ``experts.run`` allocates, whose
+compiled FLOPs the suite checks. Writes ``bench/results/moe.json``.
 Example: ``python -m bench.moe`` (about 8 minutes here; the DeepSeek-V3 children peak near 20 GB of host
 memory), ``--model mixtral-8x7b``. On a loaded machine a child can die in XLA's CPU collectives (a
 device thread 10 s late to an all-reduce: "Termination timeout"); its row says so, and a rerun measures it.
@@ -43,6 +54,9 @@ MODELS = {
                                              v_head_dim=128, vocab_size=32000)),
 }
 ROUTES = ("auto", "expert-tensor-parallel", "expert-axis", "hf-by-hand")
+# one MoE layer at its real widths: hidden, an expert's intermediate size, experts, top-k
+COST_MODELS = {"mixtral-8x7b": (4096, 14336, 8, 2), "deepseek-v3": (7168, 2048, 256, 8)}
+COST_TOKENS, COST_TP = 4096, 4  # tokens per data shard, the model axis
 MESHES = {"expert-axis": {"expert": 2, "model": 4}}  # the others: data=2 x model=4
 TOKENS = (4, 128)
 
@@ -89,6 +103,51 @@ def run_one(name: str, route: str) -> dict:
             "param_bytes_per_device": report.param_bytes_per_device, "param_bytes_total": report.param_bytes_total}
 
 
+def skewed_routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> list[int]:
+    """Rows per expert of a router whose experts are not equally liked (logits plus a per-expert bias)."""
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(tokens, experts, generator=g) + 0.5 * torch.randn(experts, generator=g)
+    ids = logits.topk(top_k, dim=-1).indices.flatten()
+    return torch.bincount(ids, minlength=experts).tolist()
+
+
+def route_costs(name: str) -> list[dict]:
+    """Per-device expert FLOPs and rows' bytes of one MoE layer of ``name`` by route (see the module docstring)."""
+    import math
+
+    from xla_tp.lowering.ragged import tile_flops, tile_rows
+    from xla_tp.lowering.slots import capacity
+    hidden, inter, experts, k = COST_MODELS[name]
+    tokens, tp = COST_TOKENS, COST_TP
+    sizes = skewed_routing(tokens, experts, k)
+    local = experts // tp
+    per_row = 6 * hidden * inter  # gate and up ([H] -> [2I]), then down ([I] -> [H])
+    routed = tokens * k * per_row / tp
+    row_bytes = 2 * (hidden + 3 * inter + hidden)  # the dispatched token, gate and up, the activation, the output
+
+    def row(route: str, layout: str, flops: float, rows: int, width_share: int, dropped: int = 0) -> dict:
+        return {"model": name, "route": route, "layout": layout, "tokens_per_shard": tokens,
+                "expert_gflops_per_device": round(flops / 1e9, 2), "over_routed": round(flops / routed, 3),
+                "rows_per_device": rows, "row_bytes_per_device": rows * (2 * hidden + 3 * inter // width_share) * 2,
+                "dropped": dropped}
+
+    slots = capacity(tokens, k, experts, 1.25)
+    rows = [row("capacity 1.25 (slots)", "expert-parallel", local * slots * per_row, local * slots, 1,
+                sum(max(0, s - slots) for s in sizes)),
+            row("dropless (slots)", "expert-parallel", local * tokens * per_row, local * tokens, 1)]
+    tm = tile_rows(tokens * k, local)
+    padded = math.ceil(tokens * k / tm) * tm
+    busiest = max(tile_flops(sizes, tm, 1, 1, groups=range(t * local, (t + 1) * local)) for t in range(tp)) // 2
+    rows.append(row("dropless (grouped)", "expert-parallel", busiest * per_row, padded, 1))
+    tm = tile_rows(tokens * k, experts)
+    every = tile_flops(sizes, tm, 1, 1) // 2
+    rows.append(row("dropless (grouped)", "expert-tensor-parallel", every * per_row / tp,
+                    math.ceil(tokens * k / tm) * tm, tp))
+    assert row_bytes  # (the per-row bytes above split the features under expert-tensor-parallel)
+    return rows
+
+
 def _error(stderr: str) -> str:
     """The child's exception line (XLA's own log lines left out), or its last line."""
     lines = [line for line in stderr.strip().splitlines() if line and not line[:4].isdigit()]
@@ -116,7 +175,10 @@ def main(argv=None) -> int:
             rows.append(json.loads(found[0]) if found else
                         {"model": name, "route": route, "status": f"fails ({done.returncode}): {_error(done.stderr)}"})
             print(json.dumps(rows[-1]), flush=True)
-    write_result(args.out, "moe.json", {"tokens": list(TOKENS), "rows": rows})
+    costs = [c for name in args.model or list(MODELS) for c in route_costs(name)]
+    for c in costs:
+        print(json.dumps(c), flush=True)
+    write_result(args.out, "moe.json", {"tokens": list(TOKENS), "rows": rows, "costs": costs})
     return 0
 
 

@@ -160,18 +160,18 @@ def test_other_families_equal_cpu_generate(config):
 
 
 def test_a_moe_model_generates_its_own_tokens_with_every_routed_token_kept():
-    """Mixtral (4 experts, top 2): a forward of the prompts at the default capacity drops assignments; while
-    generating, the MoE layers run dropless (a slot per routed token, cheap at decode) and the tokens equal
-    the CPU model's; the user's options are as they were after."""
+    """Mixtral (4 experts, top 2) with default options: generation's tokens equal the CPU model's, nothing dropped
+    (dropless: a slot per routed token, cheap at decode); a capacity the user sets applies to generation too."""
     ref, model = pair(transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2),
                       xla_tp.make_mesh(data=2, model=4))
     ids = torch.randint(3, 120, (2, 9), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        model(ids.to(torch_xla.device()))
-    assert sum(layer["dropped"] for layer in xla_tp.moe_report(model).values()) > 0
     result = run(model, ids, 12)
     assert torch.equal(result.sequences, ref.generate(ids, max_new_tokens=12, do_sample=False))
-    assert [layer["dropless"] for layer in xla_tp.moe_report(model).values()] == [False, False]
+    assert [(layer["dropless"], layer["dropped"]) for layer in xla_tp.moe_report(model).values()] == [(True, 0)] * 2
+    xla_tp.set_moe_options(model, capacity_factor=0.25)  # the user's choice holds in generation's programs too
+    run(model, ids, 4)
+    assert [(layer["dropless"], layer["capacity_factor"]) for layer in xla_tp.moe_report(model).values()] == [
+        (False, 0.25)] * 2
 
 
 def cpu_greedy(model: Llama, ids: torch.Tensor, mask: torch.Tensor, new: int) -> list[list[int]]:

@@ -34,7 +34,7 @@ def test_without_the_jax_extra_the_error_says_what_to_install():
 FLAX_AT_IMPORT = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from xla_tp.backends.jax.runtime import import_torchax
+from xla_tp.backends.torchax import import_torchax
 torchax = import_torchax()
 print("flax left behind", any(name.split(".")[0] == "flax" for name in sys.modules))
 try:

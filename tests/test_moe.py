@@ -1,8 +1,8 @@
 """Mixture-of-experts models under "auto" on a data=2 x model=4 mesh: routed experts in static slots.
 
-Each family (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, tiny configs, no example input) is compiled once
-for a training step (dropless: the model's own results) and once for a forward at the default
-capacity factor (the audit); every test reads those.
+Each family (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3, gpt-oss, tiny configs, no example input) is compiled once
+for a training step with default options (dropless: the model's own results) and once for a forward at
+capacity factor 1.25, a user's choice (the audit); every test reads those.
 """
 import copy
 from collections import OrderedDict
@@ -18,8 +18,8 @@ from xla_tp.launch.progress import format_metrics
 from xla_tp.launch.train import causal_or_masked_loss
 from xla_tp.plan.hf import hf_plan
 
-from .helpers import grads, max_err
-from .moe_models import build, trained
+from .helpers import max_err
+from .moe_models import build, original_grads, trained
 
 FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 TP = 4
@@ -35,9 +35,9 @@ def family(request, mesh):
     cpu, ref, model, out = trained(request.param, mesh)
     aux = None if ref.aux_loss is None else (out.aux_loss.item(), ref.aux_loss.item())  # DeepSeek-V3 has none
     result = {"name": request.param, "model": model, "cpu": cpu, "logits": max_err(out.logits, ref.logits),
-              "loss": (out.loss.item(), ref.loss.item()), "aux": aux, "grads": grads(model),
+              "loss": (out.loss.item(), ref.loss.item()), "aux": aux, "grads": original_grads(model),
               "report": xla_tp.moe_report(model)}
-    xla_tp.set_moe_options(model, capacity_factor=1.25, dropless=False)
+    xla_tp.set_moe_options(model, capacity_factor=1.25)  # token dropping, as a training recipe chooses it
     result["audit"] = xla_tp.audit(model, torch.randint(0, 128, (4, 32)).to(torch_xla.device()), mesh=mesh)
     return result
 
@@ -75,25 +75,25 @@ def test_one_reduction_per_layer_and_balance_at_capacity_factor_1_25(family):
     assert report.comm_ratio <= 1.05
 
 
-def test_every_moe_layer_is_reported_expert_parallel_and_dropless(family):
+def test_every_moe_layer_is_reported_expert_tensor_parallel_and_dropless(family):
     report, model = family["report"], family["model"]
     moe = [fqn for fqn, m in model.named_modules() if any(p.dim() == 3 for p in m.parameters(recurse=False))]
     assert sorted(report) == sorted(moe)
-    for layer in report.values():
-        assert layer == {"layout": "expert-parallel", "expert_axis": None, "capacity_factor": 1.25, "dropless": True,
-                         "routed": 4 * 16 * 2, "dropped": 0}
+    for layer in report.values():  # default options: dropless; off TPU in slots, a slot per token per expert
+        assert layer == {"layout": "expert-tensor-parallel", "expert_axis": None, "capacity_factor": 1.25,
+                         "dropless": True, "route": "slots", "cost": 8 / 2, "routed": 4 * 16 * 2, "dropped": 0}
 
 
 def test_a_router_of_two_top_1_choices_is_found_and_split_like_top_2(mesh):
     """PhiMoE's sparsemixer picks an expert with ``max``, masks it, picks another and concatenates the two:
-    the same experts layer as a top-2, planned expert-parallel, with the CPU model's logits (eval: it
-    samples while training)."""
+    the same experts layer as a top-2, planned like one, with the CPU model's logits (eval: it samples while
+    training)."""
     torch.manual_seed(0)
     cpu = build("phimoe").eval()
     plan = xla_tp.plan_for(cpu, mesh=mesh)
-    assert plan.roles["model.layers.0.mlp.experts.gate_up_proj"].why.startswith("expert-parallel: 8 experts split 4")
+    assert plan.roles["model.layers.0.mlp.experts.gate_up_proj"].why.startswith(
+        "expert-tensor-parallel: each expert's 32 intermediate features split 4 ways")
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), plan, mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
     ids = torch.randint(0, 128, (4, 16))
     with torch.no_grad():
         assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
@@ -107,7 +107,11 @@ def test_router_replicated_and_explained(mesh):
         xla_tp.plan_for(build("mixtral"), mesh=mesh, experts="expert_parallel")
     plan = xla_tp.plan_for(build("mixtral"), mesh=mesh)
     assert plan.replicated["model.layers.0.mlp.gate.weight"].startswith("router of model.layers.0.mlp.experts")
-    assert plan.roles["model.layers.0.mlp.experts.down_proj"].why.startswith("expert-parallel: 8 experts split 4 ways")
+    assert plan.roles["model.layers.0.mlp.experts.down_proj"].why.startswith(
+        "expert-tensor-parallel: each expert's 32 intermediate features split 4 ways")
+    asked = xla_tp.plan_for(build("mixtral"), mesh=mesh, experts="expert-parallel")
+    assert asked.roles["model.layers.0.mlp.experts.down_proj"].why.startswith(
+        "expert-parallel, as asked (experts=...): 8 experts split 4 ways")
 
 
 def test_expert_tensor_parallel_when_the_axis_does_not_divide_the_experts(mesh):
@@ -118,11 +122,10 @@ def test_expert_tensor_parallel_when_the_axis_does_not_divide_the_experts(mesh):
     assert plan.roles["model.layers.0.mlp.experts.gate_up_proj"].axes == (None, "mlp", None)
     assert "model.layers.0.mlp.experts.gate_up_proj" in plan.packings  # gate and up re-laid device-major
     xla_tp.parallelize_xla(model, plan, mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
     ids = torch.randint(0, 128, (4, 16))
     assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
     assert {r["layout"] for r in xla_tp.moe_report(model).values()} == {"expert-tensor-parallel"}
-    xla_tp.set_moe_options(model, capacity_factor=0.5, dropless=False)  # half the slots: some dropped, counted
+    xla_tp.set_moe_options(model, capacity_factor=0.5)  # half the slots: some dropped, counted
     model(ids.to(torch_xla.device()))
     (layer,) = xla_tp.moe_report(model).values()
     assert layer["routed"] == 4 * 16 * 2 and 0 < layer["dropped"] < layer["routed"]
@@ -136,7 +139,7 @@ def test_expert_tensor_parallel_when_the_axis_does_not_divide_the_experts(mesh):
 def test_fsdp_tp_ep_mesh_trains_like_cpu():
     cpu, ref, model, out = trained("mixtral", xla_tp.make_mesh(fsdp=2, model=TP))
     assert max_err(out.logits, ref.logits) < 1e-4
-    got = grads(model)
+    got = original_grads(model)
     assert max(max_err(got[n], p.grad) for n, p in cpu.named_parameters()) < 1e-4
     w = model.model.layers[0].mlp.experts.gate_up_proj
     assert local_numel(tuple(w.shape), sharding_string(w)) * 2 * TP == w.numel()  # experts x fsdp shards
@@ -169,7 +172,6 @@ def test_hf_moe_strings_lower_to_the_experts_layouts(mesh, plan, layout):
     cpu = build("mixtral")
     plan = plan if isinstance(plan, str) else plan(cpu)  # packed_colwise, rowwise, moe_tp_experts | grouped_gemm
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), plan, mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
     ids = torch.randint(0, 128, (4, 16))
     assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
     assert {r["layout"] for r in xla_tp.moe_report(model).values()} == {layout}
@@ -218,7 +220,7 @@ def test_launcher_adds_the_router_loss_checks_dropless_and_logs_drops(mesh):
     out = cpu(ids, output_router_logits=True)
     ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), ids.flatten())
     assert out.aux_loss > 0 and loss.item() == pytest.approx((ce + 0.01 * out.aux_loss).item(), abs=1e-6)
-    model = parallelizer("auto", mesh, moe=True)(copy.deepcopy(cpu))  # --check: the CPU model's own results
+    model = parallelizer("auto", mesh)(copy.deepcopy(cpu))  # --check: the CPU model's own results
     assert [layer["dropless"] for layer in xla_tp.moe_report(model).values()] == [True]
     line = format_metrics({"step": 1, "steps": 2, "loss": 1.0, "lr": 1e-3, "tokens_per_s": 1.0, "mfu": None,
                            "compiles": 1, "moe_dropped": 0.125})

@@ -59,9 +59,9 @@ def test_two_all_to_alls_each_way_at_the_minimum(family):
 def test_experts_the_expert_axis_does_not_divide_split_over_the_model_axis_with_why():
     plan = xla_tp.plan_for(build("mixtral", experts=6), mesh={"expert": 4, "model": 2})
     role = plan.roles["model.layers.0.mlp.experts.gate_up_proj"]
-    assert role.axes == ("experts", None, None)  # split over the model axis instead, as without an expert axis
+    assert role.axes == (None, "mlp", None)  # split over the model axis instead, as without an expert axis
     assert role.why.startswith("the 6 experts do not split over the expert axis's 4 devices")
-    assert "expert-parallel: 6 experts split 2 ways" in role.why
+    assert "expert-tensor-parallel: each expert's 32 intermediate features split 2 ways" in role.why
     plan = xla_tp.plan_for(build("mixtral"), mesh={"expert": 2, "model": 4})
     role = plan.roles["model.layers.0.mlp.experts.down_proj"]
     assert role.axes == ("dispatched_experts", None, "mlp")
@@ -76,7 +76,7 @@ def test_the_launchers_check_compares_re_laid_experts_in_the_order_written():
     cpu = build("mixtral")
     ids = torch.randint(0, 128, (4, 16))
     mesh = xla_tp.make_mesh(**MESH)
-    errors = compare_one_step(cpu, parallelizer("auto", mesh, moe=True), ids, ids, lambda t: t.to(torch_xla.device()),
+    errors = compare_one_step(cpu, parallelizer("auto", mesh), ids, ids, lambda t: t.to(torch_xla.device()),
                               causal_or_masked_loss("causal-lm"))
     assert max(errors.values()) < 1e-4, errors
 

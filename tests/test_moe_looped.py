@@ -27,8 +27,7 @@ def mesh():
 def test_auto_plans_the_experts_and_trains_like_the_cpu_model_in_one_program(mesh, moe):
     torch.manual_seed(0)
     cpu = Decoder(moe)
-    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)  # no example input
-    xla_tp.set_moe_options(model, dropless=True)
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)  # no example input, default options
     specs = {n: sharding_string(p) for n, p in model.named_parameters()}
     for name in ("moes.0.experts.3.w1.weight", "moes.1.experts.7.w2.weight"):  # split 4 ways, each expert
         assert local_numel((INTER, HIDDEN), specs[name]) * 4 == INTER * HIDDEN, specs
@@ -120,6 +119,7 @@ def test_options_set_before_a_deferred_plan_are_kept_for_it(mesh):
     cpu = _Scaled(OneHotMoe, layers=1)
     with pytest.warns(UserWarning, match="planned and parallelized at its first call"):
         model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    assert not xla_tp.set_moe_options(model, capacity_factor=1.0).dropless
     assert xla_tp.set_moe_options(model, dropless=True).dropless
     ids, scale = batch(5), torch.rand(4, 16, 1)
     out = model(ids.to(torch_xla.device()), scale.to(torch_xla.device()))
@@ -132,7 +132,6 @@ def test_under_torch_compile_the_selecting_modules_run_between_graphs(mesh):
     torch.manual_seed(0)
     cpu = Decoder(EqualsMoe, layers=1)
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
     compiled = torch.compile(model, backend="openxla")
     for seed in (1, 2):
         ids = batch(seed)
@@ -153,7 +152,6 @@ def test_hf_dbrx_loops_over_the_chosen_experts_of_its_fused_weights_like_the_cpu
                                   ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2})
     cpu = transformers.DbrxForCausalLM(cfg)
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, cpu)]
     compiles = []
     for seed in (1, 2, 3):
@@ -187,7 +185,6 @@ def test_hf_longcat_flash_with_identity_experts_gives_the_cpu_models_logits(mesh
                                           qk_rope_head_dim=8, head_dim=8, qk_nope_head_dim=16, v_head_dim=16)
     cpu = transformers.AutoModelForCausalLM.from_config(cfg).eval()
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
-    xla_tp.set_moe_options(model, dropless=True)
     ids = batch(4)
     assert max_err(model(ids.to(torch_xla.device())).logits, cpu(ids).logits) < 1e-4
     report = xla_tp.moe_report(model)["model.layers.0.mlp.experts"]

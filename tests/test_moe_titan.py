@@ -51,12 +51,11 @@ def test_torchtitan_deepseek_v3_with_its_own_plans_trains_like_cpu(reference, ex
     else:
         apply_moe_ep_tp(model, world["tp"], world["tp"] if experts == "ExpertParallel" else None, None,
                         etp_enabled=False)
-    xla_tp.set_moe_options(model, dropless=True)
     xids = ids.to(torch_xla.device())
     assert max_err(model(xids), logits) < 1e-4
     assert xla_tp.moe_report(model)["layers.1.moe.experts"] == {
-        "layout": layout, "expert_axis": expert_axis, "capacity_factor": 1.25, "dropless": True, "routed": 4 * 16 * 2,
-        "dropped": 0}
+        "layout": layout, "expert_axis": expert_axis, "capacity_factor": 1.25, "dropless": True, "route": "slots",
+        "cost": 8.0, "routed": 4 * 16 * 2, "dropped": 0}
     w1 = model.layers["1"].moe.experts.w1
     assert local_numel(tuple(w1.shape), sharding_string(w1)) * ways == w1.numel()
     _loss(model, xids).backward()

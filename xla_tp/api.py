@@ -130,8 +130,10 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
                              check=padding_problem, experts=experts, graph=graph)
 
 
-def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, strict: bool = False) -> Plan:
-    """The ``Plan`` for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for``.
+def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, strict: bool = False,
+                 experts: Optional[str] = None) -> Plan:
+    """The ``Plan`` for ``plan``: ``"hf"`` -> the model's own tp_plan, ``"auto"`` -> ``plan_for`` (``experts``:
+    the layout it gives MoE layers, None: the cheapest).
 
     ``mesh`` is anything ``plan_for`` takes (an ``xs.Mesh``, axis sizes). Example:
     ``resolve_plan(model, "auto", {"data": 2, "model": 4}, "model")["lm_head"].role == "vocab-parallel output head"``.
@@ -144,7 +146,8 @@ def resolve_plan(module: nn.Module, plan: PlanLike, mesh: Any, tp_axis: str, str
         if plan != "auto":
             raise PlanError(f"plan {plan!r} is not a plan; pass a dict of FQN pattern -> style, "
                             f"'auto' (the rule-based planner) or 'hf' (the model's own tp_plan)")
-        return planners.plan_for(module, mesh=mesh, tp_axis=tp_axis, strict=strict, check=padding_problem)
+        return planners.plan_for(module, mesh=mesh, tp_axis=tp_axis, strict=strict, check=padding_problem,
+                                 experts=experts)
     if isinstance(plan, ParallelStyle):
         return Plan.of({"": plan})
     if not isinstance(plan, dict):
@@ -255,12 +258,15 @@ def parallelize_module(module: nn.Module, device_mesh: Any = None,
 
 
 def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
-                    dropless: Optional[bool] = None) -> MoeOptions:
-    """Set the slots per expert of every parallelized MoE layer of ``model``: ``capacity_factor``
-    (default 1.25) x the even share of a batch shard's assignments, or ``dropless=True`` (slots for
-    the worst case: results equal to the model's own implementation). Returns the options. Before the
-    first forward of a model whose layers (or whose whole plan: "auto" without an input it can make
-    up) are found then, they are kept for them. Example: ``xla_tp.set_moe_options(model, dropless=True)``."""
+                    dropless: Optional[bool] = None, route: Optional[str] = None) -> MoeOptions:
+    """Set how every parallelized MoE layer of ``model`` runs (``MoeOptions``). By default they are
+    dropless: the model's own results. ``capacity_factor`` (1.25 is usual) drops tokens, as training
+    recipes choose to: each expert takes that factor x the even share of a batch shard's assignments, the
+    rest are dropped and counted (``moe_report``); ``dropless=True`` goes back. ``route``: ``"auto"``
+    (default: the grouped matmul where its kernel runs, on TPU, else slots), ``"grouped"`` or ``"slots"``.
+    Returns the options. Before the first forward of a model whose layers (or whose whole plan: "auto"
+    without an input it can make up) are found then, they are kept for them. Example:
+    ``xla_tp.set_moe_options(model, capacity_factor=1.25)``."""
     if pending(model) and not list(states_under(model)):  # planned at its first call: its state comes then
-        return update_options(early_options(model, MoeOptions), capacity_factor, dropless)
-    return set_layer_options(model, capacity_factor, dropless)
+        return update_options(early_options(model, MoeOptions), capacity_factor, dropless, route)
+    return set_layer_options(model, capacity_factor, dropless, route)

@@ -34,7 +34,7 @@ from ..axes import EXPERT, batch_axes
 from ..batch import main_input, uneven_note
 from ..errors import PlanError
 from ..lowering import scope
-from ..lowering.routed import dispatch_collectives
+from ..lowering.routed import dispatch_collectives, route_notes
 from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
 from ..plan.layout import Layout, uses_axis
@@ -123,6 +123,7 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
     report, found = report_from_hlo(text, ids, tuple(str(n) for n in xmesh.axis_names), backward, unsharded)
     if module is not None:
         report.param_bytes_per_device, report.param_bytes_total = param_bytes(module)
+        report.notes += route_notes(module)
     else:
         report.notes.append("a function, not a module: no parameter bytes or compute balance")
     if layout is not None and module is not None:

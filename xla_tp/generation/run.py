@@ -30,7 +30,6 @@ from torch import nn
 
 from ..compiles import compiled
 from ..errors import GenerationError
-from ..lowering.routed import dropless
 from .buckets import lengths
 from .cache import cache_bytes
 from .captured import captured_logits, step_logits
@@ -157,7 +156,7 @@ def run(model: nn.Module, input_ids: torch.Tensor, max_new_tokens: int = 64, *,
     if streamer is not None:
         streamer.put(input_ids.cpu())
     first = None
-    with torch.no_grad(), dropless(model):  # MoE layers: a slot for every routed token, the model's own tokens
+    with torch.no_grad():
         decoding = Decoding(decoder, batch, cache_length, sampling)
         pending = decoding.prefill()
         torch_xla.sync()

@@ -41,14 +41,11 @@ def one_step(model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
             "params": [as_written(p, p.detach()) for p in model.parameters()]}
 
 
-def parallelizer(plan: Any, mesh: Any, moe: bool = False) -> Callable[[nn.Module], nn.Module]:
-    """``model -> model`` parallelized by ``plan`` on ``mesh``; with ``moe``, its MoE layers dropless (a slot
-    for every routed token: the CPU model's own results, which the check compares with)."""
+def parallelizer(plan: Any, mesh: Any) -> Callable[[nn.Module], nn.Module]:
+    """``model -> model`` parallelized by ``plan`` on ``mesh`` (MoE layers dropless, the default: the CPU
+    model's own results, which the check compares with)."""
     def parallelize(model: nn.Module) -> nn.Module:
-        xla_tp.parallelize_xla(model, plan, mesh=mesh)
-        if moe:
-            xla_tp.set_moe_options(model, dropless=True)
-        return model
+        return xla_tp.parallelize_xla(model, plan, mesh=mesh)
     return parallelize
 
 

@@ -13,9 +13,13 @@ Per chip, from the plan's per-parameter specs on the mesh (parameters on ``meta`
     rotated q plus k and v repeated to every head plus the attention output (``4 * heads *
     head_dim * a / tp``), softmax probabilities in fp32 and their cast copy (``heads * seq_len *
     (4 + a) / tp``), the MLP's gate, up, activation and product (``4 * intermediate * a / tp``); an MoE
-    layer keeps ``top_k * 1.25`` slots per token (the default capacity factor), each the dispatched
-    token and its expert's gate, up, activation and product (``(hidden + 4 * expert_intermediate) * a /
-    tp``); parameters and optimizer state count every expert, FLOPs per token (MFU) the active ones;
+    layer, dropless (the default), runs each token's rows, a row being the dispatched token and its
+    expert's gate, up, activation and product (``(hidden + 4 * expert_intermediate) * a / tp``): on TPU
+    (``moe_route="grouped"``: sorted by expert, grouped matmuls) ``top_k`` rows per token plus the
+    kernel's tile padding (at most 15%), recomputed in the backward, so it keeps only each token's
+    choices and weights (``top_k * 12`` bytes) and one layer's rows are live at a time; elsewhere (the
+    slots route) a slot per token for every expert, ``experts`` rows, all kept; parameters and optimizer
+    state count every expert, FLOPs per token (MFU) the active ones;
   - with activation checkpointing each layer keeps only its input (``h * a``) and one layer's
     activations are live again during its recomputation;
   - once: the embedding output (``h * a``) and the logits with their fp32 copy and softmax
@@ -49,7 +53,7 @@ from .model import ModelShape
 from .topology import GiB, Topology
 
 HBM_RESERVE = 0.10
-MOE_CAPACITY = 1.25  # slots per routed token of an MoE layer (xla_tp's default capacity factor)
+GROUPED_PADDING = 1.15  # the grouped route's kernel tiles over its routed rows, at most (``lowering.ragged``)
 BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -61,6 +65,7 @@ class FitSettings:
     batch: int
     seq_len: int
     activation_checkpointing: bool
+    moe_route: str = "grouped"  # how MoE layers run: "grouped" (TPU) or "slots" (elsewhere)
 
     @property
     def optimizer_states(self) -> int:
@@ -165,12 +170,16 @@ def activation_bytes(shape: ModelShape, settings: FitSettings, mesh: Mapping[str
     tp = mesh.get("model", 1)
     tokens = settings.batch * settings.seq_len // batch_ways(mesh)
     attn = shape.heads * shape.head_dim
-    mlp = 4 * shape.intermediate * a / tp
-    if shape.experts:  # its slots: the dispatched tokens and their gate, up, activation and product
-        mlp = shape.top_k * MOE_CAPACITY * (shape.hidden + 4 * shape.expert_intermediate) * a / tp
+    mlp, live = 4 * shape.intermediate * a / tp, 0.0
+    if shape.experts:  # the rows of its tokens: each a dispatched token and its gate, up, activation and product
+        row = (shape.hidden + 4 * shape.expert_intermediate) * a / tp
+        if settings.moe_route == "grouped":  # recomputed in the backward: the choices kept, one layer's rows live
+            mlp, live = shape.top_k * 12, shape.top_k * GROUPED_PADDING * row
+        else:
+            mlp = shape.experts * row
     layer = 2 * shape.hidden * (8 + a) + 4 * attn * a / tp + shape.heads * settings.seq_len * (4 + a) / tp + mlp
     layers = shape.layers * shape.hidden * a + layer if settings.activation_checkpointing else shape.layers * layer
-    once = shape.hidden * a + shape.vocab / tp * (a + 8)
+    once = shape.hidden * a + shape.vocab / tp * (a + 8) + live
     return int(tokens * (layers + once)), tokens
 
 

@@ -75,7 +75,7 @@ class Session:
                  f"parameters{f' ({active / 1e6:,.1f} M active per token)' if active != n_params else ''} on meta, {r.precision}; plan {r.plan if isinstance(r.plan, str) else 'inline'} "
                  f"({planned.source}); global batch {r.batch} x {r.seq_len} tokens\n")
         settings = FitSettings(r.precision, r.optimizer.name, r.optimizer.momentum, r.batch, r.seq_len,
-                               r.activation_checkpointing)
+                               r.activation_checkpointing, "grouped" if t.is_tpu else "slots")
         fit = estimate(meta, planned.specs, self.mesh, self.shape, settings, t)
         self.say(fit.table())
         if not fit.fits:
@@ -135,9 +135,7 @@ class Session:
 
     def _check(self, model, batches: Batches, loss_fn) -> bool:
         inputs, targets = batches.get(0)
-        if self.shape.experts:
-            self.say("check: MoE layers dropless (a slot for every routed token, as the CPU model computes)")
-        errors = compare_one_step(model, parallelizer(self.plan, self.mesh, moe=bool(self.shape.experts)), inputs,
+        errors = compare_one_step(model, parallelizer(self.plan, self.mesh), inputs,
                                   targets, lambda x: to_device(x, self.mesh), loss_fn)
         for what, err in errors.items():
             self.say(f"check: max |{what} - CPU| = {err:.2e}")

@@ -1,9 +1,11 @@
-"""Mixture-of-experts layers on XLA: static slots, split over the model axis, one reduction of the tokens.
+"""Mixture-of-experts layers on XLA: static shapes, split over the model axis, one reduction of the tokens.
 
 ``run(experts, hidden, ids, weights, gate)`` computes a routed expert MLP (``gate_up [E, 2I, H]``,
-``down [E, H, I]``) for ``hidden [T, H]`` whose router chose ``ids [T, k]`` with ``weights [T, k]``:
-tokens go to fixed-size slots (``slots``), each slot's token is gathered, every expert runs on its
-slots as one batched contraction, and each slot's output is added back to its token.
+``down [E, H, I]``) for ``hidden [T, H]`` whose router chose ``ids [T, k]`` with ``weights [T, k]``.
+Dropless (the default, ``MoeOptions``) it takes the grouped route where its kernel runs (TPU:
+``ragged``, tokens sorted by expert into grouped matmuls); otherwise, and with a capacity factor, the
+slots route below: tokens go to fixed-size slots (``slots``), each slot's token is gathered, every
+expert runs on its slots as one batched contraction, and each slot's output is added back to its token.
 
 The computation carries an explicit chunk dimension ``t`` of the model axis's size, split over that
 axis, so every step is local to a device and the one cross-device step is the final sum over ``t``:
@@ -40,24 +42,35 @@ import torch
 import torch.nn.functional as F
 
 from ..axes import spec_entry
-from . import slots as slotting
+from . import ragged, slots as slotting
 
 Gate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 LAYOUTS = ("expert-parallel", "expert-tensor-parallel", "replicated")
 
 
+ROUTES = ("auto", "grouped", "slots")
+
+
 @dataclass
 class MoeOptions:
-    """Slots per expert: ``capacity_factor`` x its even share of a group's assignments, or with
-    ``dropless`` every token of the group (the model's own results, exactly; ``E / k`` times the
-    expert FLOPs of an even routing)."""
+    """How a parallelized model's MoE layers run. By default ``dropless``: every routed token reaches its
+    experts, so the outputs are the model's own. ``route``: ``"grouped"`` sorts the tokens by expert and
+    runs the experts as grouped matmuls (``lowering.ragged``: the routed FLOPs, on TPU's Pallas kernel);
+    ``"slots"`` gives every expert fixed slots (``dropless``: one per token of the group, ``E / k`` times
+    the routed FLOPs); ``"auto"`` takes ``"grouped"`` where its kernel runs (TPU) and the layout allows it
+    (no expert axis), else ``"slots"``. With ``dropless=False`` (token dropping: a training recipe's
+    choice) each expert takes ``capacity_factor`` x its even share of a group's assignments and the rest
+    are dropped (counted: ``moe_report``)."""
 
     capacity_factor: float = 1.25
-    dropless: bool = False
+    dropless: bool = True
+    route: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor must be > 0, got {self.capacity_factor}; 1.25 is the usual value")
+        if self.route not in ROUTES:
+            raise ValueError(f"route={self.route!r}: pass one of {', '.join(ROUTES)}")
 
 
 @dataclass
@@ -146,6 +159,21 @@ def _chunked_slots(es: ExpertSet, table: torch.Tensor) -> torch.Tensor:
     return table.view(groups, es.chunks, n // es.chunks).transpose(0, 1)
 
 
+def _chunked_weights_of_slots(es: ExpertSet, s: slotting.Slots, weights: torch.Tensor) -> torch.Tensor:
+    """The routing weight of each slot of each chunk, ``[t, G, slots of chunk t]``. Expert-parallel: chunk ``t``
+    scatters the weights of the assignments its own slots take, so the weights' gradient is each chunk's
+    partial sum (one all-reduce of ``[G, Tg*k]``), not the whole slot table gathered on every device."""
+    if es.layout != "expert-parallel":
+        return _chunked_slots(es, es.constrain(s.weight, chunked=False))
+    groups, n = s.weight.shape
+    per = n // es.chunks
+    first = torch.arange(es.chunks, device=s.slot.device).view(-1, 1, 1) * per
+    local = s.slot.unsqueeze(0) - first  # [t, G, A]: the slot within chunk t
+    local = torch.where((local >= 0) & (local < per), local, per)
+    shares = es.constrain(weights.unsqueeze(0).expand(es.chunks, *weights.shape))
+    return weights.new_zeros(es.chunks, groups, per + 1).scatter(2, local, shares)[..., :per]
+
+
 def _groups(es: ExpertSet, tokens: int) -> int:
     """Routing groups for ``tokens`` tokens: one per batch shard, or one in all where they do not divide."""
     return es.groups if tokens % es.groups == 0 else 1
@@ -169,6 +197,15 @@ def dispatched_numel(es: ExpertSet, tokens: int, top_k: int, experts: int, width
     return max(1, groups // shards) * experts * slots * width
 
 
+def grouped_kernel(es: ExpertSet, tokens: int) -> Optional[ragged.Kernel]:
+    """The grouped matmul ``es``'s layer runs on, or None for the slots route (see ``MoeOptions.route``)."""
+    options = es.options
+    if not options.dropless or options.route == "slots" or not ragged.supports(es, tokens):
+        return None
+    kernel = ragged.device_kernel()
+    return kernel if kernel is not None or options.route == "auto" else ragged.ReferenceKernel()
+
+
 def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate: Gate,
         gate_up: torch.Tensor, down: torch.Tensor, capacity: Optional[int] = None,
         biases: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
@@ -177,13 +214,18 @@ def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.T
     is stacked) and the down projection's (``[E, H]``)."""
     tokens, width = hidden.shape
     experts, k = gate_up.shape[0], ids.shape[-1]
+    kernel = grouped_kernel(es, tokens) if capacity is None else None
+    if kernel is not None:
+        up, dn = _chunked_weights(es, gate_up, down)
+        chunked = _chunked_biases(es, *biases) if biases is not None else None
+        return ragged.run(es, hidden, ids, weights, gate, up, dn, kernel, experts, chunked)
     groups = _groups(es, tokens)
     per_group = tokens // groups
     if capacity is None:
         capacity = slotting.capacity(per_group, k, experts, es.options.capacity_factor, es.options.dropless)
-    grouped = (es.constrain(t.reshape(groups, per_group, k), chunked=False) for t in (ids, weights))
-    s = slotting.route(*grouped, experts, capacity)
-    es.last = {"routed": tokens * k, "dropped": s.dropped}
+    ids, weights = (es.constrain(t.reshape(groups, per_group, k), chunked=False) for t in (ids, weights))
+    s = slotting.route(ids, weights, experts, capacity)
+    es.last = {"routed": tokens * k, "dropped": s.dropped, "route": "slots", "slots": experts * capacity * groups}
     up, dn = _chunked_weights(es, gate_up, down)
     c, local = up.shape[0], up.shape[1]
     x = F.pad(hidden.reshape(groups, per_group, width), (0, 0, 0, 1))  # the zero row empty slots read
@@ -200,6 +242,6 @@ def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.T
     if biases is not None:
         y = y + down_bias[:, None, :, None].to(y.dtype)
     y = es.from_experts(y)
-    y = y * _chunked_slots(es, es.constrain(s.weight, chunked=False)).unsqueeze(-1).to(y.dtype)
+    y = y * _chunked_weights_of_slots(es, s, weights.reshape(groups, per_group * k)).unsqueeze(-1).to(y.dtype)
     out = es.constrain(torch.zeros(c, groups, per_group + 1, width, dtype=y.dtype, device=y.device).scatter_add(2, where, y))
-    return out.sum(0)[:, :per_group].reshape(tokens, width)
+    return out[:, :, :per_group].sum(0).reshape(tokens, width)  # the empty slots' row cut before the reduction

@@ -21,11 +21,10 @@ expert FLOPs: the active-expert FLOPs of the model. ``set_moe_options`` sets the
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 import weakref
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch_xla.distributed.spmd as xs
@@ -200,8 +199,8 @@ def _warn_unlowered(module: nn.Module, es: Optional[ExpertSet]) -> None:
     _warn_once(type(module).__name__ if es is not None else f"{type(module).__name__}, not planned as experts")
 
 
-def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
-                    dropless: Optional[bool] = None) -> MoeOptions:
+def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None, dropless: Optional[bool] = None,
+                    route: Optional[str] = None) -> MoeOptions:
     """``xla_tp.set_moe_options`` on a parallelized ``model``: every state under it takes the options
     (MoE layers found at its first forward take them too)."""
     found = [state for _, _, state in states_under(model)]
@@ -209,49 +208,69 @@ def set_moe_options(model: nn.Module, capacity_factor: Optional[float] = None,
         raise PlanError(f"{type(model).__name__} is not parallelized; parallelize it first (parallelize_xla) and "
                         f"pass the model it returned")
     for state in found:
-        state.moe_options = update_options(state.moe_options or MoeOptions(), capacity_factor, dropless)
+        state.moe_options = update_options(state.moe_options or MoeOptions(), capacity_factor, dropless, route)
     return found[0].moe_options
 
 
-def update_options(options: MoeOptions, capacity_factor: Optional[float], dropless: Optional[bool]) -> MoeOptions:
-    """``options`` with what is not None of ``capacity_factor`` and ``dropless`` set."""
-    if capacity_factor is not None:
-        options.capacity_factor = capacity_factor
-        options.__post_init__()
-    if dropless is not None:
-        options.dropless = bool(dropless)
+def update_options(options: MoeOptions, capacity_factor: Optional[float], dropless: Optional[bool],
+                   route: Optional[str] = None) -> MoeOptions:
+    """``options`` with what is not None of ``capacity_factor``, ``dropless`` and ``route`` set; a capacity
+    factor given without ``dropless`` asks for token dropping (``dropless=False``). Nothing changes when
+    one of them is invalid."""
+    if dropless is None and capacity_factor is not None:
+        dropless = False
+    checked = MoeOptions(capacity_factor if capacity_factor is not None else options.capacity_factor,
+                         bool(dropless) if dropless is not None else options.dropless,
+                         route if route is not None else options.route)
+    if checked.route == "grouped" and not checked.dropless:
+        raise ValueError("route='grouped' is dropless by design (every routed token in its expert's group); "
+                         "drop tokens with route='slots' (or 'auto') and a capacity_factor")
+    options.capacity_factor, options.dropless, options.route = checked.capacity_factor, checked.dropless, checked.route
     return options
-
-
-@contextlib.contextmanager
-def dropless(model: nn.Module) -> Iterator[None]:
-    """Every MoE layer of ``model`` dropless inside the block (the model's own results, as ``generate``
-    needs them), its options as they were after. A model with no parallelized state is left alone."""
-    states = [s for _, _, s in states_under(model)]
-    for s in states:  # layers found at the first forward take these too
-        s.moe_options = s.moe_options or MoeOptions()
-    options = [s.moe_options for s in states]
-    before = [o.dropless for o in options]
-    for o in options:
-        o.dropless = True
-    try:
-        yield
-    finally:
-        for o, was in zip(options, before):
-            o.dropless = was
 
 
 def moe_report(model: nn.Module) -> dict[str, dict[str, Any]]:
     """Per MoE layer of ``model``: its layout on the model axis, the expert axis its experts are split
-    over (None: none), capacity options, and the last forward's routed and
-    dropped assignments (reading ``dropped`` runs the pending program if it has not run)."""
+    over (None: none), its options, and of the last forward: the route it took (``"grouped"`` or
+    ``"slots"``; None before one), the expert rows it computed for each routed one (``cost``: 1.0 for
+    the grouped route's routed rows, before the kernel's tile padding; a dropless slot layer's ``E / k``),
+    and the routed and dropped assignments (reading ``dropped`` runs the pending program if it has not run)."""
     out = {}
     for fqn, module in model.named_modules():
         es = expert_set(module) or site_of(module)
         if es is None:
             continue
-        dropped = es.last.get("dropped")
-        out[fqn] = {"layout": es.layout, "expert_axis": getattr(es, "ep_axis", None), "capacity_factor": es.options.capacity_factor,
-                    "dropless": es.options.dropless, "routed": int(es.last.get("routed", 0)),
-                    "dropped": int(dropped) if dropped is not None else 0}
+        dropped, routed = es.last.get("dropped"), int(es.last.get("routed", 0))
+        rows = routed if es.last.get("route") == "grouped" else es.last.get("slots")
+        out[fqn] = {"layout": es.layout, "expert_axis": getattr(es, "ep_axis", None),
+                    "capacity_factor": es.options.capacity_factor, "dropless": es.options.dropless,
+                    "route": es.last.get("route"), "cost": round(rows / routed, 3) if rows and routed else None,
+                    "routed": routed, "dropped": int(dropped) if dropped is not None else 0}
     return out
+
+
+def route_notes(model: nn.Module) -> list[str]:
+    """What the MoE layers of ``model`` computed in their last forward, a line per kind: the route and its
+    expert rows per routed one (the audit's report says it; nothing is read from the device)."""
+    kinds: dict[tuple, int] = {}
+    for module in model.modules():
+        es = expert_set(module)
+        route, routed = (es.last.get("route"), es.last.get("routed")) if es is not None else (None, None)
+        if route is not None and routed:
+            rows = routed if route == "grouped" else es.last.get("slots", routed)
+            key = (route, es.options.dropless, es.options.capacity_factor, round(rows / routed, 2), es.last.get("kernel"))
+            kinds[key] = kinds.get(key, 0) + 1
+    lines = []
+    for (route, dropless, factor, cost, kernel), n in kinds.items():
+        if route == "grouped" and kernel == "PallasKernel":
+            how = "dropless, sorted by expert into grouped matmuls: the routed rows and the kernel's tiles (<= 15% more)"
+        elif route == "grouped":
+            how = ("dropless, sorted by expert into grouped matmuls, through the kernel's reference (not on a TPU): "
+                   "every local expert over every row")
+        elif dropless:
+            how = (f"dropless in slots: {cost:.2f}x the routed expert rows (every expert a slot per token; on TPU the "
+                   f"default route, grouped, runs the routed rows)")
+        else:
+            how = f"capacity factor {factor} in slots: {cost:.2f}x the routed rows, the rest dropped (moe_report counts them)"
+        lines.append(f"{n} MoE layer{'s' if n > 1 else ''}: {how}")
+    return lines

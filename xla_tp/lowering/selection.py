@@ -128,7 +128,7 @@ def site_of(module: nn.Module) -> Optional[SelectionSite]:
 def _hooks(module: nn.Module, site: SelectionSite) -> list[Any]:
     """Hooks entering ``site`` around ``module``'s forward (left even when it raises); their handles."""
     def enter(_module: nn.Module, _args: Any) -> None:
-        site.last = {"routed": 0, "dropped": 0}
+        site.last = {"routed": 0, "dropped": 0, "route": "looped"}
         _active.sites.append(site)
 
     def leave(_module: nn.Module, _args: Any, _out: Any) -> None:

@@ -35,12 +35,14 @@ import torch
 @dataclass(frozen=True)
 class Slots:
     """Where each slot reads from: ``token [G, E*C]`` (``Tg``, a zero row, when empty) and its routing
-    ``weight [G, E*C]`` (0 when empty); ``dropped``: assignments that found no slot (a 0-d tensor)."""
+    ``weight [G, E*C]`` (0 when empty); ``dropped``: assignments that found no slot (a 0-d tensor);
+    ``slot [G, Tg*k]``: each assignment's slot (``E*C`` when dropped)."""
 
     token: torch.Tensor
     weight: torch.Tensor
     dropped: torch.Tensor
     capacity: int
+    slot: torch.Tensor
 
 
 def capacity(tokens: int, top_k: int, experts: int, factor: float, dropless: bool = False) -> int:
@@ -64,7 +66,7 @@ def route(ids: torch.Tensor, weights: torch.Tensor, experts: int, capacity: int)
     token = (torch.arange(n, device=ids.device) // k).expand(groups, n)
     slot_token = torch.full((groups, trash + 1), tokens, dtype=token.dtype, device=ids.device).scatter(1, slot, token)
     slot_weight = weights.new_zeros(groups, trash + 1).scatter(1, slot, weights.reshape(groups, n))
-    return Slots(slot_token[:, :trash], slot_weight[:, :trash], (~keep).sum(), capacity)
+    return Slots(slot_token[:, :trash], slot_weight[:, :trash], (~keep).sum(), capacity, slot)
 
 
 def histogram(x: torch.Tensor, bins: int = 100, min: float = 0, max: float = 0) -> torch.Tensor:

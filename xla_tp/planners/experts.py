@@ -2,20 +2,24 @@
 
 For each layer ``dataflow.routing`` found (a router's top-k selecting slices of ``[E, ...]`` weights),
 the two layouts of the experts lowering (``xla_tp.lowering.experts``) are priced with the audit's
-terms, and the cheapest that the model axis (``N`` devices) divides is taken:
+terms, and the cheapest that the model axis (``N`` devices) divides is taken (first in the table):
 
 ================================  ========================================  ==============================
 layout                            per device                                 communication per layer
 ================================  ========================================  ==============================
-expert-parallel (``E % N == 0``)  ``E/N`` whole experts, their slots          one all-reduce of ``[tokens,
-                                  (``1/N`` of the dispatched tokens)          hidden]`` (and one backward)
-expert-tensor-parallel            every expert's ``1/N`` of the intermediate  the same
-(``I % N == 0``)                  features, every slot (``N`` x the tokens)
+expert-tensor-parallel            every expert's ``1/N`` of the intermediate  one all-reduce of ``[tokens,
+(``I % N == 0``)                  features, every routed token                hidden]`` (and one backward)
+expert-parallel (``E % N == 0``)  ``E/N`` whole experts, their tokens' rows   the same
 replicated                        everything                                  none
 ================================  ========================================  ==============================
 
-Both split layouts hold ``1/N`` of the expert weights and compute ``1/N`` of the expert FLOPs;
-expert-parallel is cheaper in activation memory, so it wins where ``N`` divides the experts.
+Both split layouts hold ``1/N`` of the expert weights and compute ``1/N`` of the expert FLOPs of an even
+routing. Dropless (the default), expert-tensor-parallel is the cheaper: every device computes ``1/N`` of
+each token's rows whatever the router's skew, and holds ``1/N`` of each row, where under expert-parallel
+the busiest device computes its experts' rows whole (a skewed router: 1.6-1.75x the even share, the bench's
+``costs``) and a dropless layer must keep room for every row. It is taken wherever ``N`` divides the
+intermediate features, else expert-parallel; ``experts="expert-parallel"`` asks for it (with token dropping,
+``set_moe_options(capacity_factor=...)``, it holds ``1/N`` of the dispatched tokens).
 
 A mesh with an ``expert`` axis (``make_mesh(expert=2, model=4)``; the batch is split over it too)
 splits the experts over it wherever its size divides them (``dispatched_experts``): each batch shard
@@ -47,24 +51,24 @@ def choose(experts: int, inter: int, tp: int, wanted: Optional[str] = None) -> t
     """The layout for ``experts`` experts of ``inter`` intermediate features on ``tp`` devices, and why:
     the cheapest, or ``wanted`` where ``tp`` divides what it splits.
 
-    >>> choose(8, 32, 4)[0], choose(6, 32, 4)[0], choose(6, 30, 4)[0], choose(8, 32, 4, "expert-tensor-parallel")[0]
-    ('expert-parallel', 'expert-tensor-parallel', 'replicated', 'expert-tensor-parallel')
+    >>> choose(8, 32, 4)[0], choose(8, 30, 4)[0], choose(6, 30, 4)[0], choose(8, 32, 4, "expert-parallel")[0]
+    ('expert-tensor-parallel', 'expert-parallel', 'replicated', 'expert-parallel')
     """
     cost = "one all-reduce of [tokens, hidden] per layer (one more in the backward)"
     if wanted == REPLICATED:
         return REPLICATED, "replicated, as asked (experts=...): computed whole on every device"
-    if wanted == EXPERT_TENSOR_PARALLEL and tp > 1 and inter % tp == 0:
-        return EXPERT_TENSOR_PARALLEL, (f"expert-tensor-parallel, as asked (experts=...): each expert's {inter} "
-                                        f"intermediate features split {tp} ways, every token slot on every device; "
-                                        f"{cost}")
-    if tp > 1 and experts % tp == 0:
-        return EXPERT_PARALLEL, (f"expert-parallel: {experts} experts split {tp} ways ({experts // tp} per device, "
-                                 f"with their token slots); {cost}; cheaper than expert-tensor-parallel, which "
-                                 f"holds every slot on every device")
+    if wanted == EXPERT_PARALLEL and tp > 1 and experts % tp == 0:
+        return EXPERT_PARALLEL, (f"expert-parallel, as asked (experts=...): {experts} experts split {tp} ways "
+                                 f"({experts // tp} per device, with their token slots); {cost}")
     if tp > 1 and inter % tp == 0:
         return EXPERT_TENSOR_PARALLEL, (f"expert-tensor-parallel: each expert's {inter} intermediate features split "
-                                        f"{tp} ways, every token slot on every device; {cost} ({experts} experts do "
-                                        f"not split {tp} ways)")
+                                        f"{tp} ways, every routed token on every device; {cost}; dropless (the "
+                                        f"default) every device computes 1/{tp} of each token's rows, whatever the "
+                                        f"router's skew, and holds 1/{tp} of each row (expert-parallel: the busiest "
+                                        f"device's experts' rows, whole)")
+    if tp > 1 and experts % tp == 0:
+        return EXPERT_PARALLEL, (f"expert-parallel: {experts} experts split {tp} ways ({experts // tp} per device, "
+                                 f"with their token slots); {cost} (their {inter} features do not split {tp} ways)")
     return REPLICATED, (f"replicated: neither the {experts} experts nor their {inter} intermediate features split "
                         f"{tp} ways; computed whole on every device (no communication)")
 

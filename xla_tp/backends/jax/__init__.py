@@ -21,6 +21,8 @@ from ...api import PlanLike, begin, install_lowering, layout_for, resolve_plan
 from ...dataflow.trace import selections
 from ...errors import PlanError
 from ...mesh import canonical_axis
+from ...planners.experts import EXPERT_PARALLEL
+from ...planners.roles import Role
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -59,7 +61,11 @@ def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh
     jmesh = to_jax_mesh(mesh)
     axes = {str(k): int(v) for k, v in jmesh.shape.items()}
     tp_axis = canonical_axis(tp_axis)
-    plan = resolve_plan(model, plan, axes, tp_axis)
+    # transformers' batched_mm experts (what jit runs) read their weights as written: split whole experts
+    # where the model axis divides them, and never re-lay gate and up (xla_tp's experts lowering is torch_xla's)
+    plan = resolve_plan(model, plan, axes, tp_axis, experts=EXPERT_PARALLEL)
+    plan.packings = {name: p for name, p in plan.packings.items()
+                     if name not in plan.roles or plan.roles[name].kind != Role.EXPERTS}
     picking = selections(plan.graph) if plan.graph is not None else []
     if picking:
         raise PlanError(f"parallelize_jax: {picking[0].module or type(model).__name__} picks its experts' tokens with "

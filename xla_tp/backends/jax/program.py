@@ -30,7 +30,8 @@ from ...constraints import Constrainer, register_hooks
 from ...dataflow.routing import batched_experts
 from ...plan.layout import Layout
 from ...state import PARAM_ATTR, param_state
-from .runtime import import_torchax, torchax_tracing
+from ..torchax import import_torchax
+from .runtime import torchax_tracing
 
 torchax = import_torchax()
 from torchax.interop import call_jax, jax_view, torch_view  # noqa: E402

@@ -1,7 +1,7 @@
 """JAX and torchax set-up, and moving tensors between torch and jax.
 
-- ``import_torchax()``: torchax without its import-time side effect on the process (it turns off
-  torch's ``nn.MultiheadAttention`` fast path); ``torchax_tracing()`` turns it off only while
+- ``import_torchax()`` (``backends.torchax``): torchax without its import-time side effect on the process
+  (it turns off torch's ``nn.MultiheadAttention`` fast path); ``torchax_tracing()`` turns it off only while
   torchax traces, where the fast path's kernels do not exist.
 - ``ensure_cpu_devices(n)``: jax's CPU client gets ``n`` devices, or ``CPU_NUM_DEVICES`` (the
   variable that sets torch_xla's CPU device count), if jax has not started yet.
@@ -19,10 +19,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
-import sys
-import types
 from typing import Iterator
 
 import jax
@@ -35,44 +32,6 @@ _NUMPY_LACKS = {torch.bfloat16: (torch.int16, np.int16, jax.numpy.bfloat16),
                 torch.float8_e5m2: (torch.int8, np.int8, jax.numpy.float8_e5m2)}
 
 
-def import_torchax():
-    """``torchax``, imported with torch's MultiheadAttention fast-path setting left as it was.
-
-    Some builds of torchax 0.0.13 import ``flax.training.checkpoints`` at import time, for their
-    own checkpoint helpers, which this backend does not use. Without flax installed, those builds
-    import with a placeholder there (its use raises an ImportError saying to install flax); the
-    placeholder is gone from ``sys.modules`` afterwards.
-    """
-    before = torch.backends.mha.get_fastpath_enabled()
-    with _flax_placeholder():
-        import torchax
-        import torchax.interop  # noqa: F401
-    torch.backends.mha.set_fastpath_enabled(before)
-    return torchax
-
-
-@contextlib.contextmanager
-def _flax_placeholder() -> Iterator[None]:
-    """``flax.training.checkpoints`` importable while inside, if flax is not installed."""
-    if "flax" in sys.modules or importlib.util.find_spec("flax") is not None:
-        yield
-        return
-
-    def missing(name: str):
-        raise ImportError(f"flax.training.checkpoints.{name}: torchax's checkpoint helpers need flax (pip install flax)")
-
-    names = ("flax", "flax.training", "flax.training.checkpoints")
-    stubs = {name: types.ModuleType(name) for name in names}
-    stubs["flax"].training = stubs["flax.training"]
-    stubs["flax.training"].checkpoints = stubs["flax.training.checkpoints"]
-    stubs["flax.training.checkpoints"].__getattr__ = missing
-    sys.modules.update(stubs)
-    try:
-        yield
-    finally:
-        for name in names:
-            if sys.modules.get(name) is stubs[name]:
-                del sys.modules[name]
 
 
 @contextlib.contextmanager
