@@ -8,8 +8,8 @@ one process each:
   top-8, a shared expert) with 32 routed experts instead of 256 and a 32000-token vocabulary (the real
   ones do not fit this machine's 24 GB; every width is DeepSeek-V3's).
 
-Routes: ``auto`` ("auto": expert-parallel), ``expert-tensor-parallel`` (the auto plan with the experts
-split on their features, gate/up re-laid), ``expert-axis`` ("auto" on expert=2 x model=4: the experts
+Routes: ``auto`` ("auto": expert-tensor-parallel, the experts split on their features, gate/up re-laid),
+``expert-parallel`` (the auto plan with whole experts split over the model axis), ``expert-axis`` ("auto" on expert=2 x model=4: the experts
 split over the expert axis, their token slots moved there and back by all-to-all, each expert's features
 split over the model axis), and ``hf-by-hand`` (the model's own ``tp_plan`` applied with
 one ``xs.mark_sharding`` per weight, experts computed by transformers' ``batched_mm``, the one of its
@@ -53,7 +53,7 @@ MODELS = {
                                              kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                              v_head_dim=128, vocab_size=32000)),
 }
-ROUTES = ("auto", "expert-tensor-parallel", "expert-axis", "hf-by-hand")
+ROUTES = ("auto", "expert-parallel", "expert-axis", "hf-by-hand")
 # one MoE layer at its real widths: hidden, an expert's intermediate size, experts, top-k
 COST_MODELS = {"mixtral-8x7b": (4096, 14336, 8, 2), "deepseek-v3": (7168, 2048, 256, 8)}
 COST_TOKENS, COST_TP = 4096, 4  # tokens per data shard, the model axis
@@ -91,6 +91,7 @@ def run_one(name: str, route: str) -> dict:
     else:
         plan = xla_tp.plan_for(model, mesh=sizes, experts=route if route in LAYOUTS else None)
         xla_tp.parallelize_xla(model, plan, mesh=mesh)
+        xla_tp.set_moe_options(model, capacity_factor=1.25)  # the rows compare layouts at one capacity
         layout = None
     ids = torch.randint(0, 1000, TOKENS).to(torch_xla.device())
     report = xla_tp.audit(model, ids, mesh=mesh, plan_layout=layout)
@@ -124,9 +125,10 @@ def route_costs(name: str) -> list[dict]:
     local = experts // tp
     per_row = 6 * hidden * inter  # gate and up ([H] -> [2I]), then down ([I] -> [H])
     routed = tokens * k * per_row / tp
-    row_bytes = 2 * (hidden + 3 * inter + hidden)  # the dispatched token, gate and up, the activation, the output
 
     def row(route: str, layout: str, flops: float, rows: int, width_share: int, dropped: int = 0) -> dict:
+        """A route's figures; each row holds the dispatched token and output, and gate, up and the activation
+        (``1 / width_share`` of them: expert-tensor-parallel splits the features), in bf16."""
         return {"model": name, "route": route, "layout": layout, "tokens_per_shard": tokens,
                 "expert_gflops_per_device": round(flops / 1e9, 2), "over_routed": round(flops / routed, 3),
                 "rows_per_device": rows, "row_bytes_per_device": rows * (2 * hidden + 3 * inter // width_share) * 2,
@@ -144,7 +146,6 @@ def route_costs(name: str) -> list[dict]:
     every = tile_flops(sizes, tm, 1, 1) // 2
     rows.append(row("dropless (grouped)", "expert-tensor-parallel", every * per_row / tp,
                     math.ceil(tokens * k / tm) * tm, tp))
-    assert row_bytes  # (the per-row bytes above split the features under expert-tensor-parallel)
     return rows
 
 

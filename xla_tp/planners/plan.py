@@ -58,6 +58,7 @@ class Plan(dict):
         self.graph: Optional[Graph] = None
         self.choices: list[Choice] = []  # blocks off the optimum, with their priced alternatives
         self.whole_attention: list[str] = []  # attention computed whole, and why
+        self.blocks: list[frozenset[str]] = []  # weights decided together (``Roles.blocks``)
         self.mesh_sizes: Optional[dict[str, int]] = None  # the mesh a planner planned for
 
     @classmethod
@@ -98,7 +99,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.slicers = frozenset(roles.sites)
     plan.graph = graph
-    plan.choices, plan.whole_attention = roles.choices, roles.whole_attention
+    plan.choices, plan.whole_attention, plan.blocks = roles.choices, roles.whole_attention, roles.blocks
     return plan
 
 

@@ -81,6 +81,8 @@ class Roles:
 
     params: dict[str, ParamRole] = field(default_factory=dict)
     groups: list[list[str]] = field(default_factory=list)  # column members of each split group
+    blocks: list[frozenset[str]] = field(default_factory=list)  # every weight of a block the planner decided
+    # together (projections meeting in one tensor and the rows contracting them), split or whole
     choices: list[Choice] = field(default_factory=list)  # blocks off the optimum: their priced alternatives
     whole_attention: list[str] = field(default_factory=list)  # attention no block splits, and why
     sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks or merge
@@ -182,6 +184,7 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
         for r in members:
             reasons.setdefault(r.projection.node.index, "its partner projection is already split by another group")
         return
+    roles.blocks.append(frozenset([*(r.projection.weight.name for r in members), *(p.name for _, p, _ in rows.values())]))
     ways, split_regions, relaid, pad, chosen = tp, members, True, (0, 0), ""
     problems = [why for r in members if (why := _problem(r, tp))]
     if problems:  # off the optimum: the cheapest valid alternative (alternatives.py)
