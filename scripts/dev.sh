@@ -2,7 +2,8 @@
 # Set up .venv (if missing or out of date) and run one of the project's jobs.
 #   bash scripts/dev.sh demo   # the main job: xla-tp launch --check (tiny Llama, 8 emulated CPU devices)
 #   bash scripts/dev.sh test       # the test suite's quick tier (under 8 minutes on CI's two cores)
-#   bash scripts/dev.sh complete   # the complete tier: the tests the quick one leaves out (CI runs both)
+#   bash scripts/dev.sh complete   # the complete tier: the tests the quick one leaves out, then the core's tests
+#                                  # in .venv-core (torch 2.11, no torch_xla: scripts/core-env.txt); CI runs both tiers
 #   bash scripts/dev.sh bench      # the benchmarks
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,7 +32,16 @@ case "$job" in
   # its module fixtures (a compiled model, a fresh process's results) are built once
   test)  "$venv/bin/ruff" check --quiet xla_tp tests bench &&
          exec "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadfile --durations=15 -m "not complete" tests "$@" ;;
-  complete) exec "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadfile --durations=15 -m complete tests "$@" ;;
+  complete) "$py" -m pytest -q -n "${XLA_TP_TEST_WORKERS:-2}" --dist loadfile --durations=15 -m complete tests "$@"
+         core=.venv-core; core_want="$(sha256sum scripts/core-env.txt | cut -c1-16)"
+         if [ ! -x "$core/bin/python" ]; then echo "[xla_tp] creating $core" >&2; python3 -m venv "$core"; fi
+         if [ "$(cat "$core/.installed" 2>/dev/null || true)" != "$core_want" ]; then
+           echo "[xla_tp] installing the torch_xla-free environment into $core (first run: a few minutes)" >&2
+           "$core/bin/pip" install -q -r scripts/core-env.txt && echo "$core_want" > "$core/.installed"
+         fi
+         files=$(grep -l "^pytestmark = pytest.mark.core" tests/test_*.py)  # the files that need torch only
+         echo "[xla_tp] the core's tests without torch_xla ($core, $("$core/bin/python" -c 'import torch; print("torch", torch.__version__)'))" >&2
+         PYTHONPATH=. exec "$core/bin/python" -m pytest -q -p no:cacheprovider -m "core" $files ;;
   bench) exec "$py" -m bench "$@" ;;
   *) echo "unknown job '$job': use demo, test, complete or bench" >&2; exit 2 ;;
 esac

@@ -4,11 +4,16 @@ The environment must be set before torch_xla is imported (README, "torch_xla beh
 execute something before any CPU backward runs in the process (the CPU-backward trap). The CPU backend compiles
 with LLVM at -O0 (``--xla_backend_optimization_level=0``): XLA's HLO passes, the SPMD partitioner and so the
 partitioned program the tests read are unchanged, and compiling takes about half the CPU time. Tests that run a
-script as a user does (``fresh.run_fresh``) get none of these variables.
+script as a user does (``fresh.run_fresh``) get none of these variables. In the torch_xla-free environment
+(``bash scripts/dev.sh complete`` runs the files marked ``pytestmark = pytest.mark.core`` there, which need torch
+only) there is nothing of this to set up.
 """
+import importlib.util
 import os
 
 from .fresh import FAST_COMPILE
+
+XLA = importlib.util.find_spec("torch_xla") is not None
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "8")
@@ -17,13 +22,15 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), FAST_COMPILE["XLA_FLAGS"]]).strip()
 
 import pytest  # noqa: E402
-import torch_xla.distributed.spmd as xs  # noqa: E402
 
-from xla_tp.mesh import ensure_runtime  # noqa: E402
+if XLA:
+    import torch_xla.distributed.spmd as xs
 
-from .titan import titan_single_call  # noqa: E402,F401  (session fixture: multi-call and plain-script tests)
+    from xla_tp.mesh import ensure_runtime
 
-ensure_runtime()
+    from .titan import titan_single_call  # noqa: F401  (session fixture: multi-call and plain-script tests)
+
+    ensure_runtime()
 
 
 # the files that take longest, slowest first: ``-n 2 --dist loadfile`` hands files out in collection order,
@@ -41,6 +48,7 @@ COMPLETE_FILES = ("test_moe_looped.py", "test_launch_run.py", "test_dynamo.py", 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "complete: in the complete tier only (CI runs both tiers)")
+    config.addinivalue_line("markers", "core: needs torch only (the complete tier runs it without torch_xla too)")
 
 
 def pytest_collection_modifyitems(items):
@@ -54,6 +62,8 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _no_global_mesh():
     """Each test starts without a global mesh (make_mesh sets one)."""
-    xs.set_global_mesh(None)
+    if XLA:
+        xs.set_global_mesh(None)
     yield
-    xs.set_global_mesh(None)
+    if XLA:
+        xs.set_global_mesh(None)

@@ -5,7 +5,8 @@ import transformers
 
 import xla_tp
 from bench.plans import hand_apply, to_torch_plan
-from xla_tp.auditing import AuditReport, audit
+from xla_tp.auditing import AuditReport
+from xla_tp.auditing.run import audit
 from xla_tp.plan.hf import hf_plan
 from xla_tp.plan.normalize import build_layout
 from xla_tp.zoo.llama import Llama, LlamaArgs, torchtitan_tp_plan

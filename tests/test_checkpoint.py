@@ -13,7 +13,7 @@ import torch_xla
 import xla_tp
 from xla_tp.checkpoint import save as save_module
 from xla_tp.checkpoint.store import CheckpointRoot
-from xla_tp.guard import record_of
+from xla_tp.state import record_of
 from xla_tp.lowering.packed import packing_of, restore
 from xla_tp.zoo.registry import build, example_input, run
 

@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-import torch_xla
 import torch_xla.debug.metrics as met
 import transformers
 from torch._dynamo.utils import counters

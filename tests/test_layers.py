@@ -15,10 +15,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "xla_tp"
 # plan input -> Plan -> Layout -> validation (no runtime, no torch_xla)
 CORE = ("axes", "batch", "errors", "plan", "dataflow", "planners", "validate")
 # what a parallelized model runs with: its state, the compatibility effects, the lowering, the backends
-RUNTIME = ("state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
+RUNTIME = ("adapters", "apply", "deferred", "state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
            "backends", "mesh", "report", "loss", "bitcast", "compiles")
 # what users call: parallelize (torch_xla, JAX), audit, checkpoints, the launcher, the CLI, the model zoo
-FRONT = ("api", "deferred", "backends.jax", "auditing", "checkpoint", "launch", "cli", "zoo", "generation", "__init__")
+FRONT = ("api", "backends.jax", "auditing", "checkpoint", "launch", "cli", "zoo", "generation", "__init__")
 ADAPTER_PACKAGES = ("torch_xla", "jax", "jaxlib", "torchax")
 MODULES: dict[str, Path] = {}
 

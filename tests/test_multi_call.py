@@ -5,7 +5,7 @@ import torch_xla
 
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.auditing import audit
+from xla_tp.auditing.run import audit
 from xla_tp import layout_of
 
 from .helpers import MLP, expected_sharding, sharding

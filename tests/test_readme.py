@@ -88,7 +88,7 @@ def test_every_path_the_readme_names_exists():
 
 
 def test_outputs_of_the_jobs_are_not_repository_paths():
-    assert {"runs", ".venv", "build", "dist"} <= ignored_top_level()
+    assert {"runs", ".venv", ".venv-core", "build", "dist"} <= ignored_top_level()
     assert "runs/RECIPE-TIME" in README and "runs/RECIPE-TIME" not in repo_paths_in_code_spans()
 
 
@@ -121,8 +121,8 @@ def test_the_layout_block_matches_the_tree():
     # every module of the package, of the launcher, and every top-level entry has a line (add yours)
     for entry in [*(ROOT / "xla_tp").iterdir(), *(ROOT / "xla_tp" / "launch").glob("*.py"), *ROOT.iterdir()]:
         path = str(entry.relative_to(ROOT))
-        ignored = entry.name in ("__pycache__", ".git", ".gitignore", ".venv", "runs", "README.md", "build", "dist",
-                                 ".pytest_cache") or entry.name.endswith(".egg-info")
+        ignored = entry.name in ("__pycache__", ".git", ".gitignore", ".venv", ".venv-core", "runs", "README.md", "build",
+                                 "dist", ".pytest_cache") or entry.name.endswith(".egg-info")
         if not ignored and entry.name != "__init__.py" or path == "xla_tp/__init__.py":
             assert path in listed, f"{path} is missing from the README's layout"
 

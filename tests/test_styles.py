@@ -8,7 +8,7 @@ import xla_tp
 from xla_tp import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput, PrepareModuleOutput,
                     Replicate, RowwiseParallel, SequenceParallel, Shard)
 
-from xla_tp.guard import record_of
+from xla_tp.state import record_of
 
 from .helpers import MLP, expected_sharding, sharding
 

@@ -8,7 +8,7 @@ import torch
 import torch_xla
 
 import xla_tp
-from xla_tp.auditing import audit
+from xla_tp.auditing.run import audit
 from xla_tp import layout_of
 from xla_tp.zoo.llama import Llama, LlamaArgs, torchtitan_tp_plan
 

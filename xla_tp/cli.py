@@ -120,8 +120,8 @@ def _mesh_and_model(args: argparse.Namespace) -> tuple[Any, Any, Any]:
 def cmd_audit(args: argparse.Namespace) -> int:
     import torch_xla
     import xla_tp
-    from .auditing import audit
-    from .api import plan_for
+    from .auditing.run import audit
+    from .apply import plan_for
     from .zoo.registry import positional_args
     mesh, model, batch = _mesh_and_model(args)
     model = xla_tp.parallelize_xla(model, plan_for(model, mesh=mesh), mesh=mesh)
@@ -132,7 +132,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .api import plan_for
+    from .apply import plan_for
     mesh, model, _ = _mesh_and_model(args)
     print(plan_for(model, mesh=mesh).explain(model, mesh))
     return 0

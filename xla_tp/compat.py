@@ -66,14 +66,15 @@ def _implementation(ref: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module), name)
 
 
-def replace(target: str, make: str) -> Callable[[], Optional[Undo]]:
+def replace(target: str, make: str, loaded: Optional[str] = None) -> Callable[[], Optional[Undo]]:
     """An install that sets ``target`` (``owner.attr``) to ``make(original)``; its undo puts the
-    original back, unless someone replaced ours since (then ours stays, with a warning)."""
+    original back, unless someone replaced ours since (then ours stays, with a warning). With ``loaded``,
+    only once that module is loaded too (what ``make`` needs: torch_xla for XLA tensors' effects)."""
     owner_path, _, attr = target.rpartition(".")
 
     def install() -> Optional[Undo]:
         owner = _loaded(owner_path)
-        if owner is None:
+        if owner is None or loaded is not None and sys.modules.get(loaded) is None:
             return None
         original = getattr(owner, attr)
         ours = _implementation(make)(original)
@@ -88,9 +89,10 @@ def replace(target: str, make: str) -> Callable[[], Optional[Undo]]:
     return install
 
 
-def call(ref: str) -> Callable[[], Optional[Undo]]:
-    """An install done by the function at ``ref`` (it returns its undo, or None when not applicable)."""
-    return lambda: _implementation(ref)()
+def call(ref: str, loaded: str) -> Callable[[], Optional[Undo]]:
+    """An install done by the function at ``ref`` (it returns its undo, or None when not applicable), once the
+    module ``loaded`` is (like ``replace``'s targets: never imported here)."""
+    return lambda: _implementation(ref)() if sys.modules.get(loaded) is not None else None
 
 
 _ENTRY = "xla_tp.lowering.entry"
@@ -143,15 +145,15 @@ EFFECTS: tuple[Effect, ...] = (
            replace("torch_xla._dynamo.dynamo_bridge.extract_graph_helper", "xla_tp.dynamo:inputs_by_data")),
     Effect("torch_xla_module", "torch.xla", TORCH_XLA,
            "torch.utils.checkpoint replays RNG state through torch.<device>, which torch_xla does not register",
-           call("xla_tp.recompute:register")),
+           call("xla_tp.recompute:register", "torch_xla")),
     Effect("optimizer_hooks", "torch.optim.Optimizer step hooks", TORCH_XLA,
            "updates that bitcast (view(dtype)) silently replicate a parameter, and optimizer states get "
            "whatever layout the compiler picks: restored after each step, for parallelized parameters only",
-           call("xla_tp.guard:register")),
+           call("xla_tp.guard:register", "torch_xla")),
     Effect("torchao_rounding", "torchao.optim.adam._fp32_to_bf16_sr", "torchao 0.14.1 / torch_xla 2.9.0",
            "its view(dtype) bitcast executes the pending graph on every call under torch_xla: a lazy "
            "BitcastConvert on XLA tensors keeps the optimizer step one program",
-           replace("torchao.optim.adam._fp32_to_bf16_sr", "xla_tp.optim:lazy_rounding")),
+           replace("torchao.optim.adam._fp32_to_bf16_sr", "xla_tp.optim:lazy_rounding", "torch_xla")),
     Effect("experts_interface", "transformers.integrations.moe.ExpertsInterface.get_interface",
            "transformers 5.23.0 / torch_xla 2.9.0",
            "its experts implementations have data-dependent shapes (eager), fail on XLA (grouped_mm: histc on "
@@ -167,7 +169,7 @@ EFFECTS: tuple[Effect, ...] = (
     Effect("save_pretrained", "transformers.PreTrainedModel.save_pretrained", "transformers 5.23.0 / torch_xla 2.9.0",
            "safetensors reads an XLA tensor's storage pointer and fails; a parallelized model is saved from "
            "host copies", replace("transformers.PreTrainedModel.save_pretrained",
-                                  "xla_tp.checkpoint.export:host_save_pretrained")),
+                                  "xla_tp.checkpoint.export:host_save_pretrained", "torch_xla")),
 )
 
 

@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
@@ -27,17 +26,9 @@ import torch_xla.distributed.spmd as xs
 
 from . import compat, optim
 from .plan.layout import Spec
-from .state import ensure_param_state, param_state
+from .state import ParamSharding, ensure_param_state, param_state, record_of
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ParamSharding:
-    fqn: str
-    mesh: xs.Mesh
-    spec: Spec
-    expected: str  # the HLO sharding string right after annotation
 
 
 def sharding_of(t: torch.Tensor) -> str:
@@ -49,11 +40,6 @@ def remember_sharding(p: torch.nn.Parameter, fqn: str, mesh: xs.Mesh, spec: Spec
     """Record ``p``'s sharding (right after annotation) so optimizer steps can restore it."""
     record = ensure_param_state(p).sharding = ParamSharding(fqn, mesh, spec, sharding_of(p))
     return record
-
-
-def record_of(p: torch.Tensor) -> ParamSharding | None:
-    """The sharding recorded for ``p`` (None if xla_tp did not shard it)."""
-    return getattr(param_state(p), "sharding", None)
 
 
 def forget_sharding(p: torch.Tensor) -> bool:

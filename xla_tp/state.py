@@ -35,12 +35,27 @@ _states: WeakIdKeyDictionary = WeakIdKeyDictionary()  # module -> ModelState of 
 class ParamState:
     """What xla_tp knows of one parameter: its sharding record (backend's), and the lowering's roles."""
 
-    sharding: Any = None  # the backend's record of the sharding it applied (``guard.ParamSharding``)
+    sharding: Any = None  # the backend's record of the sharding it applied (``ParamSharding``)
     packing: Any = None  # ``Packing`` of a re-laid packed projection
     vocab: Any = None  # ``embedding.VocabSplit`` of a vocabulary-split table
     tie: Any = None  # ``tied.Tie`` when an LM head reads the table too
     group: Any = None  # ``groups.ColumnGroup`` it belongs to
     experts: Any = None  # ``experts.ExpertSet`` of the MoE layer whose routed weight it is
+
+
+@dataclass(frozen=True)
+class ParamSharding:
+    """The sharding torch_xla's backend gave a parameter (``guard`` restores it after optimizer steps)."""
+
+    fqn: str
+    mesh: Any  # an ``xs.Mesh``
+    spec: Any  # a ``plan.layout.Spec``
+    expected: str  # the HLO sharding string right after annotation
+
+
+def record_of(p: torch.Tensor) -> Optional[ParamSharding]:
+    """The sharding recorded for ``p`` (None if xla_tp did not shard it)."""
+    return getattr(param_state(p), "sharding", None)
 
 
 def param_state(t: Any) -> Optional[ParamState]:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import inspect
 import warnings
-from collections import Counter
 from typing import Any, Callable, Optional, Union
 
 import numpy as np
@@ -30,19 +29,20 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_leaves, tree_map
 
-from ..axes import EXPERT, batch_axes
+from ..axes import batch_axes
 from ..batch import main_input, uneven_note
 from ..errors import PlanError
 from ..lowering import scope
-from ..lowering.routed import dispatch_collectives, route_notes
+from ..lowering.routed import route_notes
 from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
-from ..plan.layout import Layout, uses_axis
+from ..plan.layout import Layout
 from ..state import constraint_handles, layout_of
 from .capture import capture_partitioned_hlo, route
-from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
-from .minimum import ActivationRecorder, Expected, adapters, minimum_collectives
-from .params import local_numel, param_bytes, sharding_string
+from .hlo import dot_flops
+from .figures import report_from_hlo, set_minimum
+from .minimum import ActivationRecorder
+from .params import param_bytes, sharding_string
 from .report import AuditReport
 
 Target = Union[nn.Module, Callable[..., Any]]
@@ -135,26 +135,6 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
                             "(this process read torch_xla's HLO before with XLA_DUMP_POST_OPTIMIZATIONS unset; set "
                             "it at start-up to read the device compiler's own program)")
     return report
-
-
-def report_from_hlo(text: str, device_ids: np.ndarray, axis_names: tuple[str, ...], backward: bool,
-                    unsharded_flops: Optional[int]) -> tuple[AuditReport, list[Collective]]:
-    """The report's collectives and FLOPs read from partitioned HLO ``text`` (any compiler's), and
-    the collectives found. ``device_ids`` is the mesh's device-id array, one dimension per axis."""
-    found = parse_collectives(text)
-    collectives: dict[str, dict] = {}
-    for c in found:
-        entry = collectives.setdefault(c.kind, {"count": 0, "bytes": 0, "axes": []})
-        entry["count"] += 1
-        entry["bytes"] += c.bytes
-        axes = "+".join(mesh_axes_of_groups(c.replica_groups, device_ids, axis_names)) or "-"
-        if axes not in entry["axes"]:
-            entry["axes"].append(axes)
-    sizes = {name: int(size) for name, size in zip(axis_names, device_ids.shape)}
-    report = AuditReport(mesh=sizes, backward=backward, collectives=collectives,
-                         comm_bytes=sum(c.bytes for c in found), flops_per_device=dot_flops(text),
-                         unsharded_flops=unsharded_flops)
-    return report, found
 
 
 class _Annotations:
@@ -253,79 +233,3 @@ class _suspended_hooks:
             hooks.update(items)
 
 
-def _sharded_numel(name: str, p: torch.Tensor) -> int:
-    return local_numel(tuple(p.shape), sharding_string(p))
-
-
-def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout, found: list,
-                grad_numel: Callable[[str, torch.Tensor], int] = _sharded_numel) -> None:
-    """Fill ``report.expected`` and ``comm_minimum_bytes`` from the recorded ``calls``.
-
-    ``grad_numel(name, param)``: elements of the largest shard of that parameter's gradient (by
-    default read from the XLA tensor's sharding).
-    """
-    expected = minimum_collectives(calls, module, layout, report.mesh, report.backward)
-    expected += _expert_dispatch(calls, module, report.mesh, report.backward)
-    if report.backward:
-        tp = report.mesh.get(layout.tp_axis, 1)
-        split = {f"{fqn}.weight" for fqn in adapters(calls, layout)}  # Megatron splits an adapter with its layer
-
-        def numel(name: str, p: torch.Tensor) -> int:
-            return grad_numel(name, p) // (tp if name in split else 1)
-        expected += _data_grad_allreduces(module, layout, report.mesh, numel)
-    if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
-        tp = report.mesh.get(layout.tp_axis, 1)
-        expected = [Expected("all-reduce", e.elements * tp, e.dtype, e.where)
-                    if e.kind == "reduce-scatter" else e for e in expected]
-        report.notes.append("no reduce-scatter in the program (the CPU compiler emits all-reduce + "
-                            "dynamic-slice): plan reduce-scatters counted as all-reduces")
-    itemsize = _hlo_float_itemsize(found)
-    summary: dict[str, dict] = {}
-    for e in expected:
-        size = itemsize if (itemsize and e.dtype.is_floating_point) else e.dtype.itemsize
-        entry = summary.setdefault(e.kind, {"count": 0, "bytes": 0})
-        entry["count"] += 1
-        entry["bytes"] += e.elements * size
-    report.expected = summary
-    report.comm_minimum_bytes = sum(v["bytes"] for v in summary.values())
-    added = sorted({c.fqn for c in calls if c.added})
-    if added:
-        kinds = sorted({type(module.get_submodule(fqn)).__name__ for fqn in added})
-        report.notes.append(f"{len(added)} modules added after parallelize_xla ({', '.join(kinds)}; e.g. {added[0]}) "
-                            f"are not in the plan: their parameters are whole on every device and their work runs "
-                            f"on each; the minimum counts them as Megatron lays out an adapter beside its layer (split "
-                            f"with it, one all-reduce of its rank-sized activation)")
-
-
-def _expert_dispatch(calls: list, module: nn.Module, sizes: dict[str, int], backward: bool) -> list[Expected]:
-    """Each call of an MoE layer whose experts are split over the expert axis: an all-to-all of its
-    token slots to their experts and one back (and both again in the backward)."""
-    found = []
-    for call in calls:
-        mod = module.get_submodule(call.fqn) if call.fqn else module
-        numel = dispatch_collectives(mod, call.args, sizes)
-        if numel:
-            dtype = call.args[0].dtype
-            found += [Expected("all-to-all", numel, dtype, f"{call.fqn} {way}")
-                      for way in ("dispatch", "combine", *(("dispatch (grad)", "combine (grad)") if backward else ()))]
-    return found
-
-
-def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int],
-                          grad_numel: Callable[[str, torch.Tensor], int]) -> list[Expected]:
-    """One all-reduce per parameter gradient (its local size) over the batch axes, where one splits the
-    batch: all but the expert axis for a weight whose experts it splits (each device's own experts)."""
-    found = []
-    for name, p in module.named_parameters():
-        split = layout.params.get(name, ())
-        axes = [a for a in layout.batch_axes if sizes.get(a, 1) > 1 and not (a == EXPERT and uses_axis(split, a))]
-        if p.requires_grad and axes:
-            found.append(Expected("all-reduce", grad_numel(name, p), p.dtype, name + " grad"))
-    return found
-
-
-def _hlo_float_itemsize(found: list) -> Optional[int]:
-    """Bytes per element of the float type most collectives use (CPU runs bf16 ones in f32)."""
-    sizes = Counter({"f64": 8, "f32": 4, "bf16": 2, "f16": 2}.get(c.dtype) for c in found)
-    sizes.pop(None, None)
-    return sizes.most_common(1)[0][0] if sizes else None

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..guard import forget_sharding, remember_sharding, restore_sharding
 from ..plan.layout import Spec
-from . import ShardFn
+from .spmd import ShardFn
 from .init import initialise
 from .submesh import resolve
 

@@ -21,7 +21,8 @@ import torch
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from ..guard import ParamSharding, record_of, restore_sharding
+from ..guard import restore_sharding
+from ..state import ParamSharding, record_of
 from ..plan.layout import Spec
 
 MODEL, OPTIM = "model.", "optim."

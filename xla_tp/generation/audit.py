@@ -22,7 +22,7 @@ from torch import nn
 
 from ..auditing import AuditReport
 from ..auditing.capture import capture_partitioned_hlo
-from ..auditing.run import report_from_hlo
+from ..auditing.figures import report_from_hlo
 from .choose import Sampling
 from .decoders import decoder_for
 from .run import Decoding, prepare

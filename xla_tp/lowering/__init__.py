@@ -21,7 +21,6 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
-from ..backends.annotate import XlaSharder
 from ..dataflow.graph import Graph
 from ..dataflow.trace import trace
 from ..errors import PlanError
@@ -100,6 +99,7 @@ def find(root: nn.Module, state: ModelState, graph: Graph, embeddings: bool = Tr
     layout = layout_of(root)
     tables = vocab_tables(root, layout, state.tp) if embeddings else []
     for _, table, record in tables:
+        from ..backends.annotate import XlaSharder  # a vocabulary table split on torch_xla
         install_embedding(table, state.tp, XlaSharder(record.mesh), record.spec)
         axes, replicas = batch_replicas(layout, record.mesh, record.spec)
         if tied_heads(root, table) and replicas > 1:

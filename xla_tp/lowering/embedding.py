@@ -17,14 +17,15 @@ inside a parallelized forward. Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from ..backends.annotate import XlaSharder
 from ..state import ensure_param_state, param_state
+
+if TYPE_CHECKING:
+    from ..backends.annotate import XlaSharder
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ def replica_rows(split: VocabSplit, axes: Any, replicas: int, ids: torch.Tensor,
     scatters its replica's ``dy`` into its own rows. Written as a manual region (each device's shard of
     ids and dy, and its place on the mesh): GSPMD partitions a scatter batched over two dimensions by
     gathering the updates over the first."""
+    import torch_xla.distributed.spmd as xs  # a vocabulary table split on torch_xla: its runtime is loaded
     vocab, width = table
     tp, rows, mesh = split.tp, vocab // split.tp, split.sharder.mesh
 

@@ -26,7 +26,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..axes import EXPERT
-from ..backends.annotate import XlaSharder
 from ..plan.layout import Layout
 from ..state import ModelState
 from . import scope
@@ -96,6 +95,7 @@ def install_grouped(root: nn.Module, state: ModelState, layout: Layout, kind_of:
             continue
         spec = layout.params.get(f"{fqn}.w1" if fqn else "w1", (None, None, None))
         kind = kind_of(spec, layout.tp_axis)
+        from ..backends.annotate import XlaSharder  # grouped experts run on torch_xla (install_experts checks)
         es = ExpertSet(kind, state.tp if kind != "replicated" else 1, layout.tp_axis, XlaSharder(state.mesh),
                        options=state.moe_options, ep_axis=EXPERT if kind_of(spec, EXPERT) == "expert-parallel" else None)
         sets[module] = es

@@ -27,11 +27,10 @@ import weakref
 from typing import Any, Callable, Optional
 
 import torch
-import torch_xla.distributed.spmd as xs
 from torch import nn
 
 from ..axes import EXPERT
-from ..backends.annotate import XlaSharder
+from ..adapters import is_xla_mesh
 from ..dataflow.graph import Graph
 from ..dataflow.routing import find_experts
 from ..errors import PlanError
@@ -79,8 +78,9 @@ def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], 
     """Mark every MoE layer of ``root`` found in ``graph`` (None: not traced) and every grouped-experts
     module its layout names (``grouped``); their module FQNs. Only on torch_xla: the JAX backend runs
     transformers' batched_mm experts (``dataflow.routing.batched_experts``)."""
-    if not isinstance(state.mesh, xs.Mesh):
+    if not is_xla_mesh(state.mesh):
         return []
+    from ..backends.annotate import XlaSharder
     batch, groups = routing_groups(dict(zip(state.mesh.axis_names, (int(s) for s in state.mesh.mesh_shape))),
                                    layout.batch_axes)
     options = state.moe_options or MoeOptions()

@@ -21,10 +21,9 @@ from collections import Counter
 from typing import Any, Optional
 
 import torch
-import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from ..backends.annotate import XlaSharder
+from ..adapters import is_xla_mesh
 from ..dataflow.graph import Graph, Node
 from ..dataflow.positions import every_position
 from ..dataflow.trace import position_loops, selections
@@ -56,7 +55,8 @@ def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOpt
     """A selection site on each module of ``root`` whose traced forward (``graph``) picks positions
     by value, one selection group per shard of the batch over ``mesh``; their FQNs."""
     sharder, batch, groups = None, (), 1
-    if isinstance(mesh, xs.Mesh):
+    if is_xla_mesh(mesh):
+        from ..backends.annotate import XlaSharder
         sharder = XlaSharder(mesh)
         batch, groups = routing_groups(dict(zip(mesh.axis_names, (int(n) for n in mesh.mesh_shape))), layout.batch_axes)
     picks, loops = selections(graph), position_loops(graph)

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..dataflow.graph import Graph
 from ..dataflow.regions import projections
-from ..guard import ParamSharding, record_of
+from ..state import ParamSharding, record_of
 from ..plan.layout import Layout, spec_axes
 from .embedding import lowerable
 from .groups import groupable

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any, Mapping, Union
 
 from torch import nn
 
-from ...api import PlanLike, begin, install_lowering, layout_for, resolve_plan
+from ...apply import PlanLike, begin, install_lowering, layout_for, resolve_plan
 from ...dataflow.trace import selections
 from ...errors import PlanError
-from ...mesh import canonical_axis
+from ...axes import canonical_axis
 from ...planners.experts import EXPERT_PARALLEL
 from ...planners.roles import Role
 

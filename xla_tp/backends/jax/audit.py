@@ -23,7 +23,7 @@ from torch.utils import _pytree as torch_pytree
 from ...auditing.hlo import dot_flops
 from ...auditing.minimum import ActivationRecorder
 from ...auditing.report import AuditReport
-from ...auditing.run import report_from_hlo, set_minimum
+from ...auditing.figures import report_from_hlo, set_minimum
 from ...constraints import Constrainer, register_hooks
 from ...dataflow.routing import batched_experts
 from ...plan.layout import Layout
