@@ -48,6 +48,21 @@ SCRIPT = textwrap.dedent('''
         with torch.no_grad():
             out["jax_error"] = (jm(ids).logits - small(ids, use_cache=False).logits).abs().max().item()
         out["jax_q_spec"] = str(jm.params["model.layers.0.self_attn.q_proj.weight"].sharding.spec)
+    import copy, socket, torch.distributed as dist
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    tiny = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=128)).eval()
+    styled = xla_tp.parallelize_dtensor(copy.deepcopy(tiny), "auto")
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        out["dtensor_error"] = (styled(input_ids=ids).logits - tiny(input_ids=ids).logits).abs().max().item()
+    out["dtensor_q"] = type(styled.model.layers[0].self_attn.q_proj.weight.data).__name__
+    dist.destroy_process_group()
     out["torch_xla_loaded"] = sorted(m for m, v in sys.modules.items() if m.startswith("torch_xla") and v is not None)
     print("JSON" + json.dumps(out))
 ''')
@@ -80,3 +95,9 @@ def test_the_jax_backend_runs_without_torch_xla(without_torch_xla):
                     "only); the main environment runs this")
     assert without_torch_xla["jax_error"] < 1e-4
     assert without_torch_xla["jax_q_spec"] == "PartitionSpec('model', None)"
+
+
+def test_parallelize_dtensor_runs_without_torch_xla(without_torch_xla):
+    """torch's own DTensor route (TorchTPU's): a one-process gloo group, "auto" in torch's styles."""
+    assert without_torch_xla["dtensor_q"] == "DTensor"
+    assert without_torch_xla["dtensor_error"] < 1e-5

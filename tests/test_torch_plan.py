@@ -56,3 +56,32 @@ def test_the_plan_says_each_style_and_why_the_rest_stays_whole():
     assert "transformer.wte: its weight is lm_head's too" not in text  # the tied head: the embedding keeps its style
     assert "lm_head" in plan.whole and "tied" in plan.whole["lm_head"]
     assert "transformer.wte: RowwiseParallel(input_layouts=Replicate())" in text
+
+
+def test_parallelize_dtensor_takes_torch_tpu_where_it_is_and_needs_a_process_group(monkeypatch):
+    """The TorchTPU route, dry: with ``torch_tpu`` importable its mesh is a "tpu" DeviceMesh (built by torch, which
+    needs a TPU: recorded here instead); without a process group it says what to call first."""
+    import importlib.util
+
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+
+    from xla_tp.backends import dtensor
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+    with pytest.raises(xla_tp.PlanError, match="no process group; call torch.distributed.init_process_group first"):
+        xla_tp.parallelize_dtensor(model, "auto")
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "torch_tpu" else found(name, *a))
+    assert dtensor.device_type() == "tpu"
+    asked = []
+
+    def init_device_mesh(kind, shape, **kwargs):
+        asked.append((kind, shape))
+        raise RuntimeError("stop: a TPU mesh needs TPUs")
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 8)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", init_device_mesh)
+    with pytest.raises(RuntimeError, match="stop"):
+        xla_tp.parallelize_dtensor(model, "auto")
+    assert asked == [("tpu", (8,))]
+    assert isinstance(model[0].weight, torch.nn.Parameter) and type(model[0].weight) is torch.nn.Parameter  # untouched

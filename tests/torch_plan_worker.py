@@ -2,7 +2,8 @@
 
 ``main()`` spawns them; each builds the same tiny models (a dense Llama, a grouped-query Qwen3 whose key/value heads
 4 devices do not divide, BERT, Mixtral), parallelizes a copy with ``parallelize_module(model, mesh, torch_plan(model,
-mesh))`` and compares its output with the unsharded model's. Prints one JSON line (rank 0's), per model: the largest
+mesh))`` (BERT: ``xla_tp.parallelize_dtensor(model, "auto")``, which does that on its own mesh) and compares its
+output with the unsharded model's. Prints one JSON line (rank 0's), per model: the largest
 difference, the modules torch's styles split, those whose parameters became DTensors, and those left whole.
 """
 from __future__ import annotations
@@ -48,7 +49,10 @@ def _worker(rank: int, port: int, queue) -> None:
         model = copy.deepcopy(reference)
         ids = torch.randint(4, 60, (2, 16), generator=torch.Generator().manual_seed(1))
         plan = xla_tp.torch_plan(model, mesh)
-        parallelize_module(model, mesh, dict(plan))
+        if name == "bert":  # xla_tp's own entry point: the mesh of every process, "auto" in torch's styles
+            xla_tp.parallelize_dtensor(model, "auto")
+        else:
+            parallelize_module(model, mesh, dict(plan))
         with torch.no_grad():
             got, want = model(input_ids=ids), reference(input_ids=ids)
         key = "logits" if getattr(want, "logits", None) is not None else "last_hidden_state"

@@ -1,6 +1,7 @@
 """xla_tp: PyTorch tensor-parallel plans on XLA through direct sharding calls.
 
-The planner, the plan formats and ``torch_plan`` need torch only; ``parallelize_xla`` and what runs on
+The planner, the plan formats, ``torch_plan`` and ``parallelize_dtensor`` (torch's own DTensor tensor
+parallelism: TorchTPU, CUDA, CPU) need torch only; ``parallelize_xla`` and what runs on
 XLA devices need torch_xla (where it cannot be imported they raise, when called, saying what to install),
 ``parallelize_jax`` needs JAX. Example::
 
@@ -18,6 +19,7 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from .adapters import has_torch_xla, needs_torch_xla
 from .apply import plan_for, set_moe_options, unparallelize
 from .auditing.report import AuditReport
+from .backends.dtensor import parallelize_dtensor
 from .backends.jax import parallelize_jax
 from .errors import CheckpointError, GenerationError, MeshError, OptimizerError, PlanError
 from .loss import loss_parallel
@@ -48,7 +50,7 @@ __all__ = [
     "AuditReport", "ColwiseParallel", "MeshError", "Plan", "PlanError", "PrepareModuleInput", "PrepareModuleInputOutput",
     "PrepareModuleOutput", "Replicate", "RowwiseParallel", "SequenceParallel", "Shard", "ShardParams",
     "audit", "hf_plan", "init_device_mesh", "layout_of", "load_rules", "loss_parallel", "make_mesh",
-    "parallelize_jax", "parallelize_module", "parallelize_xla", "plan_for", "regex_plan", "state_of", "torch_plan",
+    "parallelize_dtensor", "parallelize_jax", "parallelize_module", "parallelize_xla", "plan_for", "regex_plan", "state_of", "torch_plan",
     "unparallelize", "unplanned_parameters",
 ]
 __all__ += ["moe_report", "register_style", "set_moe_options"]  # mixture-of-experts layers, other libraries' styles
