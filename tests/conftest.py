@@ -1,6 +1,6 @@
 """Test session set-up: 8 emulated XLA CPU devices, SPMD on, post-partition HLO readable.
 
-The environment must be set before torch_xla is imported (README, "torch_xla behaviours"), and the XLA runtime must
+The environment must be set before torch_xla is imported (docs/torch_xla.md), and the XLA runtime must
 execute something before any CPU backward runs in the process (the CPU-backward trap). The CPU backend compiles
 with LLVM at -O0 (``--xla_backend_optimization_level=0``): XLA's HLO passes, the SPMD partitioner and so the
 partitioned program the tests read are unchanged, and compiling takes about half the CPU time. Tests that run a

@@ -15,10 +15,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "xla_tp"
 # plan input -> Plan -> Layout -> validation (no runtime, no torch_xla)
 CORE = ("axes", "batch", "errors", "plan", "dataflow", "planners", "validate")
 # what a parallelized model runs with: its state, the compatibility effects, the lowering, the backends
-RUNTIME = ("adapters", "apply", "deferred", "state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
+RUNTIME = ("adapters", "weak", "apply", "deferred", "state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
            "backends", "mesh", "report", "loss", "bitcast", "compiles")
 # what users call: parallelize (torch_xla, JAX), audit, checkpoints, the launcher, the CLI, the model zoo
-FRONT = ("api", "backends.jax", "backends.dtensor", "auditing", "checkpoint", "launch", "cli", "zoo", "generation", "__init__")
+FRONT = ("api", "backends.jax", "backends.dtensor", "auditing", "checkpoint", "launch", "console", "cli", "zoo", "generation", "__init__")
 ADAPTER_PACKAGES = ("torch_xla", "jax", "jaxlib", "torchax")
 MODULES: dict[str, Path] = {}
 
@@ -91,3 +91,33 @@ def test_the_audit_function_and_its_package_do_not_collide():
     import xla_tp
     import xla_tp.auditing.run
     assert callable(xla_tp.audit) and xla_tp.audit is xla_tp.auditing.run.audit
+
+
+def _cycle() -> list[str]:
+    """One import cycle between the package's files (imports inside functions included), or []."""
+    graph = {name: sorted(i for i in _imports(path) if i in MODULES and i != name)
+             for name, path in MODULES.items()}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> list[str]:
+        if name in path:
+            return path[path.index(name):] + [name]
+        if name in done:
+            return []
+        for nxt in graph[name]:
+            found = visit(nxt, path + [name])
+            if found:
+                return found
+        done.add(name)
+        return []
+
+    for name in sorted(graph):
+        found = visit(name, [])
+        if found:
+            return found
+    return []
+
+
+def test_no_import_cycle_between_files():
+    cycle = _cycle()
+    assert not cycle, " -> ".join(cycle)

@@ -202,3 +202,18 @@ def test_loop_positions_are_host_integers_that_mix_with_device_tensors():
         n, i = int(e[0]), min(int(e[0]), 3)
         assert torch.equal((xids == e).cpu(), ids == n) and torch.equal((e == xids).cpu(), ids == n)
         assert torch.equal(xx[e].cpu(), x[[i]]) and torch.equal(xx[e[0]].cpu(), x[i])
+
+
+def test_a_collected_model_leaves_no_site_behind(mesh):
+    """The sites are kept by module, weakly: a model dropped without ``unparallelize`` takes its sites along
+    (a new module that reuses the id finds none)."""
+    import gc
+
+    from xla_tp.lowering import selection
+    before = len(selection._installed)
+    model = xla_tp.parallelize_xla(Decoder(EqualsMoe, layers=1), "auto", mesh=mesh)
+    module = model.moes[0]
+    assert selection.site_of(module) is not None and len(selection._installed) == before + 1
+    del model, module
+    gc.collect()
+    assert len(selection._installed) == before

@@ -25,3 +25,14 @@ def test_auto_end_to_end_through_the_top_level_names():
     report = xla_tp.audit(model, torch.randn(8, 16, device=model[0].weight.device), mesh=mesh)
     assert report.count("all-reduce") == 1 and report.count("all-gather") == 0
     assert list(report.collectives["all-reduce"]["axes"]) == ["model"]
+
+
+def test_every_name_in_the_readmes_table_is_public():
+    """The README's one screen of names (its first column) names only what ``xla_tp`` exports."""
+    import re
+    from pathlib import Path
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = [line.split("|")[1] for line in readme.splitlines() if line.startswith("| `")]
+    names = {m for row in rows for m in re.findall(r"`([a-z_]+)[(`]", row)}
+    assert {"parallelize_xla", "torch_plan", "audit", "generate"} <= names
+    assert sorted(n for n in names if n not in xla_tp.__all__) == []

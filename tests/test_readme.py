@@ -1,4 +1,5 @@
-"""The README stands alone: its Python runs, its paths and links exist, its layout matches the tree."""
+"""The README and its docs/ pages stand alone: their Python runs, their paths and links exist, the code's
+layout (docs/code.md) matches the tree."""
 import json
 import re
 from pathlib import Path
@@ -7,10 +8,18 @@ from .fresh import run_fresh
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+# the docs pages in the order the README lists them: their Python blocks run after the README's, in that order
+DOCS = list(dict.fromkeys(re.findall(r"\]\((docs/[\w.-]+\.md)\)", README)))
+PAGES = {"README.md": README, **{page: (ROOT / page).read_text() for page in DOCS}}
 
 
-def blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, re.S)
+def blocks(language: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, re.S)
+
+
+def test_the_readme_is_read_in_ten_minutes_and_lists_every_page():
+    assert len(README.splitlines()) <= 300
+    assert sorted(DOCS) == sorted(f"docs/{p.name}" for p in (ROOT / "docs").glob("*.md"))
 
 
 # run after the README's blocks, in the same process: what they left behind, as one JSON line
@@ -32,7 +41,8 @@ print("CHECKS" + _json.dumps({
 def test_every_python_block_runs_in_order():
     """As a reader pastes them, one after the other, in a process with only the documented environment;
     then what the blocks built is checked in that process (``CHECKS``)."""
-    out = run_fresh("\n".join([*blocks("python"), CHECKS]), timeout=900)
+    code = [block for text in PAGES.values() for block in blocks("python", text)]
+    out = run_fresh("\n".join([*code, CHECKS]), timeout=900)
     assert "column-parallel" in out and "communication bytes/device" in out
     checks = json.loads(next(line[6:] for line in out.splitlines() if line.startswith("CHECKS")))
     # parallelize_jax: parameters sharded on the mesh of 8 CPU devices, torch tensors out, the fast path of
@@ -53,14 +63,15 @@ def _slug(heading: str) -> str:
 
 
 def test_links_and_anchors_resolve():
-    anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", README, re.M)}
-    for target in re.findall(r"\]\(([^)]+)\)", README):
-        if target.startswith(("http://", "https://")):
-            continue
-        if target.startswith("#"):
-            assert target[1:] in anchors, f"README links to a missing heading {target}"
-        else:
-            assert (ROOT / target).exists(), f"README links to a missing path {target}"
+    for page, text in PAGES.items():
+        anchors = {_slug(h) for h in re.findall(r"^#+ (.*)$", text, re.M)}
+        for target in re.findall(r"\]\(([^)]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            if target.startswith("#"):
+                assert target[1:] in anchors, f"{page} links to a missing heading {target}"
+            else:
+                assert (ROOT / page).parent.joinpath(target).exists(), f"{page} links to a missing path {target}"
 
 
 def ignored_top_level() -> set[str]:
@@ -75,7 +86,7 @@ def repo_paths_in_code_spans() -> list[str]:
     (``recipes/``, ``xla_tp/launch/fit.py``, ``setup.py``), or they climb out of it (``../x``). What the
     jobs write into the checkout (``runs/RECIPE-TIME`` after the demo) is not the repository's."""
     top = {p.name for p in ROOT.iterdir()} - ignored_top_level()
-    spans = re.findall(r"`([^`\s]+)`", README)
+    spans = [s for text in PAGES.values() for s in re.findall(r"`([^`\s]+)`", text)]
     return [s for s in spans if s.startswith("../") or (s.split("/")[0] in top and ("/" in s or "." in s))]
 
 
@@ -84,12 +95,12 @@ def test_every_path_the_readme_names_exists():
     assert {"xla_tp/dynamo.py", ".ci/run"} <= set(paths)  # the check does see paths
     missing = [p for p in paths if not (ROOT / p.rstrip("/")).resolve().is_relative_to(ROOT)
                or not (ROOT / p.rstrip("/")).exists()]
-    assert not missing, f"README names paths that are not in the repository: {missing}"
+    assert not missing, f"the README or docs name paths that are not in the repository: {missing}"
 
 
 def test_outputs_of_the_jobs_are_not_repository_paths():
     assert {"runs", ".venv", ".venv-core", "build", "dist"} <= ignored_top_level()
-    assert "runs/RECIPE-TIME" in README and "runs/RECIPE-TIME" not in repo_paths_in_code_spans()
+    assert any("runs/RECIPE-TIME" in text for text in PAGES.values()) and "runs/RECIPE-TIME" not in repo_paths_in_code_spans()
 
 
 def test_ci_runs_the_readme_commands_in_the_readmes_order():
@@ -105,7 +116,7 @@ def test_ci_runs_the_readme_commands_in_the_readmes_order():
 
 
 def test_the_layout_block_matches_the_tree():
-    layout = README.split("## Layout of the code", 1)[1]
+    layout = PAGES["docs/code.md"]
     tree = re.search(r"```\n(.*?)```", layout, re.S).group(1)
     parents: list[str] = []
     listed = []
@@ -115,7 +126,7 @@ def test_the_layout_block_matches_the_tree():
         parents = parents[:depth]
         path = "/".join([*parents, name.rstrip("/")])
         listed.append(path)
-        assert (ROOT / path).exists(), f"the README's layout lists {path}, which is not in the tree"
+        assert (ROOT / path).exists(), f"docs/code.md lists {path}, which is not in the tree"
         if name.endswith("/"):
             parents.append(name.rstrip("/"))
     # every module of the package, of the launcher, and every top-level entry has a line (add yours)
@@ -124,7 +135,7 @@ def test_the_layout_block_matches_the_tree():
         ignored = entry.name in ("__pycache__", ".git", ".gitignore", ".venv", ".venv-core", "runs", "README.md", "build",
                                  "dist", ".pytest_cache") or entry.name.endswith(".egg-info")
         if not ignored and entry.name != "__init__.py" or path == "xla_tp/__init__.py":
-            assert path in listed, f"{path} is missing from the README's layout"
+            assert path in listed, f"{path} is missing from the layout in docs/code.md"
 
 
 def test_nothing_points_outside_the_repository():

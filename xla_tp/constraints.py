@@ -2,8 +2,8 @@
 
 Each placement in a ``ModuleLayout`` chain becomes one ``ShardingConstraint``: a copy of the
 activation annotated with the placement's spec, whose gradient is annotated the same way in
-backward (a plain ``mark_sharding`` would constrain the forward value only: see the
-README, "torch_xla behaviours xla_tp works around").
+backward (a plain ``mark_sharding`` would constrain the forward value only: see
+docs/torch_xla.md).
 Hooks run on every traced step (a Python autograd Function and a copy each), so on torch_xla only
 what the compiler does not already know is installed (``runtime_chain``): of a redistribution, the
 layout it goes to; of a single layout, nothing when the module's weights imply it (a column-parallel

@@ -58,7 +58,7 @@ def turn_spmd_on_early() -> None:
 def ensure_runtime() -> None:
     """Turn SPMD on and execute one tiny XLA computation, once per process.
 
-    The computation avoids the CPU-backward trap (README, "torch_xla behaviours"): a CPU backward that runs
+    The computation avoids the CPU-backward trap (docs/torch_xla.md): a CPU backward that runs
     before the XLA runtime has executed anything breaks every later XLA backward. A process whose XLA
     device was used before SPMD was on cannot switch: ``MeshError`` says what to do, before anything runs.
     """

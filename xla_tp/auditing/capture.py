@@ -4,7 +4,7 @@ Two routes (the SPMD partitioner is GSPMD in both):
 
 - torch_xla compiles the program itself, with the device's own compiler, and returns the
   partitioned HLO. It does when ``XLA_DUMP_POST_OPTIMIZATIONS=1`` is set at the process's first HLO
-  query (torch_xla reads it then, once: README, "torch_xla behaviours"). When the variable is not
+  query (torch_xla reads it then, once: docs/torch_xla.md). When the variable is not
   set, the first capture sets it for that query (``os.environ`` is as it was after; ``compat.SETTINGS``):
   every later HLO query of the process then returns partitioned programs too.
 - Otherwise (the process queried HLO before with the variable unset, or set it to ``0``) torch_xla

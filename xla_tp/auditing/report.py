@@ -29,7 +29,7 @@ def ratio(num: Optional[float], den: Optional[float]) -> Optional[float]:
 
 @dataclass
 class AuditReport:
-    """Per-device facts of one partitioned program (README, "Proof: the audit and the bench").
+    """Per-device facts of one partitioned program (docs/audit.md).
 
     ``collectives``: kind -> ``{"count", "bytes", "axes"}`` (bytes per device, result size; axes:
     the mesh axes each group spans, e.g. ``["model"]``). ``expected``: the same for what the plan's

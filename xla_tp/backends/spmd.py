@@ -2,7 +2,7 @@
 
 - ``mark_sharding``: ``xs.mark_sharding`` annotates the tensor in place.
 - ``distribute_tensor``: torch's ``distribute_tensor`` on an XLA ``DeviceMesh``; the resulting
-  ``XLAShardedTensor`` is unwrapped to its ``global_tensor`` (README: DTensor parameters hit
+  ``XLAShardedTensor`` is unwrapped to its ``global_tensor`` (docs/torch_xla.md: DTensor parameters hit
   a functionalization assert inside ``F.linear``).
 """
 from __future__ import annotations

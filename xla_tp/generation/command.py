@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..cli import fail
+from ..console import fail
 from ..errors import CheckpointError, GenerationError, MeshError, PlanError
 
 INTERRUPTED = 130

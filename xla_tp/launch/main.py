@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..cli import fail, quiet_xla_warnings
+from ..console import fail, quiet_xla_warnings
 from ..errors import MeshError, PlanError
 from .recipe import DEFAULT_RECIPE, check_for_topology, load_recipe
 from .rerun import EarlierRun

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import functools
 import warnings
-import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -37,34 +36,13 @@ from ..errors import PlanError
 from ..plan.layout import Layout, uses_axis
 from ..state import ModelState, ensure_param_state, param_state, states_under
 from . import scope
+from ..weak import ByModule
 from .experts import ExpertSet, MoeOptions, dispatched_numel, even, routing_groups, run
 from .grouped import GroupedForward, install_grouped
 from .selection import site_of
 
 FALLBACK = "batched_mm"
-class _ExpertSets:
-    """MoE layer module -> its ``ExpertSet``, forgotten when the module is: a dict keyed by ``id``, which
-    dynamo traces (a decode step captured whole looks its layers up; a weak dictionary breaks the graph)."""
-
-    def __init__(self) -> None:
-        self.by_id: dict[int, ExpertSet] = {}
-
-    def __contains__(self, module: nn.Module) -> bool:
-        return id(module) in self.by_id
-
-    def __setitem__(self, module: nn.Module, es: ExpertSet) -> None:
-        if id(module) not in self.by_id:
-            weakref.finalize(module, self.by_id.pop, id(module), None)
-        self.by_id[id(module)] = es
-
-    def get(self, module: nn.Module) -> Optional[ExpertSet]:
-        return self.by_id.get(id(module))
-
-    def pop(self, module: nn.Module) -> None:
-        self.by_id.pop(id(module), None)
-
-
-_sets = _ExpertSets()
+_sets: ByModule[ExpertSet] = ByModule()  # each MoE layer's ExpertSet
 
 
 def _layout_of(spec: tuple, axis: str, expert_dim: int = 0) -> str:

@@ -26,6 +26,7 @@ from torch import nn
 from ..adapters import is_xla_mesh
 from ..dataflow.graph import Graph, Node
 from ..dataflow.positions import every_position
+from ..weak import ByModule
 from ..dataflow.trace import position_loops, selections
 from ..plan.layout import Layout, uses_axis
 from .experts import MoeOptions, routing_groups
@@ -48,7 +49,7 @@ def current() -> Optional[SelectionSite]:
     return _active.sites[-1] if _active.sites else None
 
 
-_installed: dict[int, tuple[SelectionSite, list[Any]]] = {}  # id(module) -> its site and hooks
+_installed: ByModule[tuple[SelectionSite, list[Any]]] = ByModule()  # each site's module -> its site and hooks
 
 
 def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOptions, mesh: Any) -> list[str]:
@@ -78,7 +79,7 @@ def install_sites(root: nn.Module, graph: Graph, layout: Layout, options: MoeOpt
                     for n, _ in module.named_parameters())
         site = SelectionSite(fqn, experts, "expert-tensor-parallel" if split else "replicated", options, {},
                              sharder, batch, groups)
-        _installed[id(module)] = (site, [*_hooks(module, site), _EagerForward(module)])
+        _installed[module] = (site, [*_hooks(module, site), _EagerForward(module)])
     return list(counts)
 
 
@@ -115,13 +116,13 @@ def _other_reader(node: Node, iterated: bool = False) -> Optional[str]:
 
 def uninstall_sites(root: nn.Module) -> None:
     for module in root.modules():
-        site = _installed.pop(id(module), None)
+        site = _installed.pop(module)
         for handle in site[1] if site else ():
             handle.remove()
 
 
 def site_of(module: nn.Module) -> Optional[SelectionSite]:
-    entry = _installed.get(id(module))
+    entry = _installed.get(module)
     return entry[0] if entry else None
 
 
