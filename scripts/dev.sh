@@ -39,7 +39,7 @@ case "$job" in
            echo "[xla_tp] installing the torch_xla-free environment into $core (first run: a few minutes)" >&2
            "$core/bin/pip" install -q -r scripts/core-env.txt && echo "$core_want" > "$core/.installed"
          fi
-         files=$(grep -l "^pytestmark = pytest.mark.core" tests/test_*.py)  # the files that need torch only
+         files=$(grep -l "^pytestmark = pytest.mark.core" tests/*/test_*.py)  # the files that need torch only
          echo "[xla_tp] the core's tests without torch_xla ($core, $("$core/bin/python" -c 'import torch; print("torch", torch.__version__)'))" >&2
          PYTHONPATH=. exec "$core/bin/python" -m pytest -q -p no:cacheprovider -m "core" $files ;;
   bench) exec "$py" -m bench "$@" ;;

@@ -67,3 +67,10 @@ def _no_global_mesh():
     yield
     if XLA:
         xs.set_global_mesh(None)
+
+
+@pytest.fixture
+def tiny_llama():
+    """The suite's tiny grouped-query Llama builder (``tests/hf_tiny.py``): ``tiny_llama(seed=0, **overrides)``."""
+    from .hf_tiny import tiny_llama as build
+    return build

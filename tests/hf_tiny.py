@@ -1,12 +1,21 @@
-"""Tiny Hugging Face encoders and vision models (2 layers, 8 heads, hidden 64), each with the inputs its users pass
-by keyword: what the suite calls as a user does."""
+"""The suite's tiny Hugging Face models (2 layers, 8 heads, hidden 64): a grouped-query Llama (``tiny_llama``, also
+the ``tiny_llama`` fixture), and encoders and vision models, each with the inputs its users pass by keyword: what the
+suite calls as a user does."""
 from __future__ import annotations
 
 import torch
 import transformers as T
 
+LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+             vocab_size=128, max_position_embeddings=128)
 SIZE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, intermediate_size=128)
 VISION = dict(SIZE, image_size=32, patch_size=8)
+
+
+def tiny_llama(seed: int = 0, **overrides) -> T.LlamaForCausalLM:
+    """``LlamaForCausalLM`` on ``LLAMA`` (``overrides`` replace its entries), initialised from ``seed``."""
+    torch.manual_seed(seed)
+    return T.LlamaForCausalLM(T.LlamaConfig(**{**LLAMA, **overrides}))
 
 
 def _text(vocab: int = 64) -> dict[str, torch.Tensor]:

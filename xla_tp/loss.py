@@ -5,7 +5,7 @@ kernel. Under SPMD the ordinary ``F.cross_entropy`` on logits sharded over the v
 (``ColwiseParallel(output_layouts=Shard(-1))`` on the output projection) already compiles to
 the vocab-parallel program: the max, the sum of exponentials and the target logit are each
 reduced across the model axis with an all-reduce of ``B*S`` elements, and the ``B*S*V`` logits
-are not all-gathered (``tests/test_loss_parallel.py`` reads the compiled program to prove it).
+are not all-gathered (``tests/program/test_compiled.py`` reads the compiled program to prove it).
 So ``loss_parallel`` here is a context manager kept for drop-in compatibility. Example::
 
     with xla_tp.loss_parallel():

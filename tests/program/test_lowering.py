@@ -1,0 +1,139 @@
+"""The lowering mode: attention written by users (SDPA, 4-D matmuls, torch's MHA) compiles with its
+heads split, with the numerics of the original ops; the flash-attention call it would make on TPU."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+from torch import nn
+
+import xla_tp
+from xla_tp import ColwiseParallel, RowwiseParallel
+from xla_tp.lowering import attention
+from xla_tp.lowering.entry import clamp_slices
+
+from ..helpers import collective_counts, max_err
+
+E, H, B, S = 64, 8, 4, 12
+
+
+class Attn(nn.Module):
+    """q/k/v/o projections around one attention call written the CUDA way."""
+
+    def __init__(self, kv_heads: int = H, matmul: bool = False, **sdpa_kwargs):
+        super().__init__()
+        self.kv, self.matmul, self.kwargs = kv_heads, matmul, sdpa_kwargs
+        self.q, self.o = nn.Linear(E, E), nn.Linear(E, E)
+        self.k, self.v = nn.Linear(E, kv_heads * E // H), nn.Linear(E, kv_heads * E // H)
+
+    def forward(self, x, mask=None):
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, E // H).transpose(1, 2) for p in (self.q, self.k, self.v))
+        if self.matmul:
+            probs = torch.softmax(q @ k.transpose(-1, -2) / (E // H) ** 0.5, dim=-1)
+            out = probs @ v
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.kwargs)
+        return self.o(out.transpose(1, 2).reshape(b, s, E))
+
+
+PLAN = {"q": ColwiseParallel(), "k": ColwiseParallel(), "v": ColwiseParallel(), "o": RowwiseParallel()}
+MASKS = {"none": None, "bool": torch.rand(S, S) > 0.3, "additive": torch.randn(B, 1, S, S)}
+
+
+@pytest.mark.parametrize("variant", [
+    dict(), dict(is_causal=True), dict(scale=0.3), dict(mask="bool"), dict(mask="additive"),
+    dict(kv_heads=4, enable_gqa=True, is_causal=True), dict(matmul=True)])
+def test_user_attention_compiles_with_heads_split_and_same_values(variant):
+    variant = dict(variant)
+    mask = MASKS[variant.pop("mask", "none")]
+    torch.manual_seed(0)
+    ref = Attn(**variant)
+    model = copy.deepcopy(ref)
+    xla_tp.parallelize_xla(model, PLAN, mesh=xla_tp.make_mesh(data=2, model=4))
+    x = torch.randn(B, S, E)
+    dev = torch_xla.device()
+    out = model(x.to(dev), None if mask is None else mask.to(dev))
+    assert collective_counts([out]) == {"all-reduce": 1}  # the row-parallel o; attention stays split
+    assert max_err(out, ref(x, mask)) < 1e-5
+
+
+def test_a_query_with_no_key_to_attend_gets_zeros_as_in_torch():
+    """A left-padded position masks every key: torch's SDPA gives it zeros, and so does the lowering (not NaN,
+    which the next layer would spread through the padding's keys and values into every token)."""
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8), torch.randn(2, 4, 5, 8)
+    mask = torch.ones(5, 5, dtype=torch.bool).tril()
+    mask[:2] = False
+    for attn_mask in (mask, torch.zeros(5, 5).masked_fill(~mask, float("-inf"))):
+        got = attention.sdpa(q, k, v, attn_mask=attn_mask)
+        assert torch.equal(got[..., :2, :], torch.zeros(2, 4, 2, 8))
+        assert torch.allclose(got, F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask), atol=1e-6)
+
+
+def test_sdpa_dropout_applies_only_when_asked():
+    q = k = v = torch.randn(2, 4, 6, 8)
+    assert torch.equal(attention.sdpa(q, k, v, dropout_p=0.0), attention.sdpa(q, k, v))
+    torch.manual_seed(0)
+    dropped = attention.sdpa(q, k, v, dropout_p=0.5)
+    assert not torch.allclose(dropped, attention.sdpa(q, k, v))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("kind", ["none", "bool", "float", "pad", "pad_float"])
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_mha_lowering_matches_torch(batch_first, kind, need_weights):
+    """``attention.mha`` is ``F.multi_head_attention_forward`` (sequence-first) for every mask kind."""
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(E, H).eval()
+    L, Sk = 5, 7
+    q, k, v = torch.randn(L, B, E), torch.randn(Sk, B, E), torch.randn(Sk, B, E)
+    causal = torch.triu(torch.ones(L, Sk, dtype=torch.bool), 1)
+    pad = torch.zeros(B, Sk, dtype=torch.bool)
+    pad[:, -2:] = True
+    masks = {"none": {}, "bool": {"attn_mask": causal}, "float": {"attn_mask": torch.randn(B * H, L, Sk)},
+             "pad": {"key_padding_mask": pad}, "pad_float": {"key_padding_mask": pad.float() * -1e4,
+                                                             "attn_mask": causal.float() * -1e9}}[kind]
+    args = dict(query=q, key=k, value=v, embed_dim_to_check=E, num_heads=H, in_proj_weight=mha.in_proj_weight,
+                in_proj_bias=mha.in_proj_bias, bias_k=None, bias_v=None, add_zero_attn=False, dropout_p=0.0,
+                out_proj_weight=mha.out_proj.weight, out_proj_bias=mha.out_proj.bias, training=False,
+                need_weights=need_weights, **masks)
+    want, got = F.multi_head_attention_forward(**args), attention.mha(**args)
+    assert max_err(got[0], want[0]) < 1e-5
+    assert (got[1] is None) == (want[1] is None) and (got[1] is None or max_err(got[1], want[1]) < 1e-5)
+
+
+def test_flash_attention_call_on_tpu(monkeypatch):
+    """What xla_tp passes to torch_xla's Pallas kernel on a TPU (not runnable here: the call is recorded)."""
+    import torch_xla.experimental.custom_kernel as kernels
+    import torch_xla.runtime as xr
+    calls = []
+
+    def fake_flash(**kw):
+        calls.append(kw)
+        return attention.einsum_sdpa(kw["q"], kw["k"], kw["v"], kw["ab"], 0.0, kw["causal"], kw["sm_scale"])
+
+    monkeypatch.setattr(kernels, "flash_attention", fake_flash)
+    monkeypatch.setattr(xr, "device_type", lambda: "TPU")
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    torch.manual_seed(0)
+    ref = Attn(kv_heads=4, enable_gqa=True, is_causal=True)
+    model = copy.deepcopy(ref)
+    xla_tp.parallelize_xla(model, PLAN, mesh=mesh)
+    attention.use_flash_attention(True)
+    try:
+        out = model(torch.randn(B, S, E).to(torch_xla.device()))
+    finally:
+        attention.use_flash_attention(False)
+    (call,) = calls
+    assert call["partition_spec"] == ("data", "model", None, None) and call["mesh"] is mesh
+    assert call["causal"] is True and call["sm_scale"] == pytest.approx((E // H) ** -0.5)
+    assert call["k"].shape == call["q"].shape == (B, H, S, E // H)  # key/value heads repeated for the kernel
+    assert out.shape == (B, S, E)
+    assert not attention.flash_eligible(call["q"], call["k"], torch.ones(S, S, dtype=torch.bool), 0.0)
+
+
+def test_out_of_range_slices_are_clamped_like_on_cpu():
+    assert clamp_slices((Ellipsis, slice(-4095, None), slice(None)), (2, 16, 8)) == \
+        (Ellipsis, slice(-16, None), slice(None))
+    assert clamp_slices((slice(0, 4),), (8,)) is None

@@ -1,0 +1,222 @@
+"""The figures xla_tp prints describe the program the user's own call compiles, checked with a second instrument.
+
+- The batch is split whatever the model's main input (token ids, pixel values), passed by keyword as Hugging Face
+  users pass it or by position: compute balance read from the partitioned HLO of the user's own call
+  (``tests/hlo_count``, written apart from the audit's reader) <= 1.10, and ``audit`` given the same call prints
+  the same balance and communication.
+- A dense decoder's forward and backward: the audit's per-device FLOPs, collectives and bytes equal that reading.
+- A batch that does not divide is split as far as it does, with a warning and a note saying what it costs.
+- Modules added after ``parallelize_xla`` (LoRA adapters) are named and counted in the audit's minimum.
+- Generation compiles as many programs for 64 new tokens as for 16 and none on a repeat; the count it prints
+  equals the programs XLA dumped (a fresh process), and the audit by keyword runs there as the README shows.
+"""
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+import torch_xla
+import transformers
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+import xla_tp
+from xla_tp import PlanError
+
+from .. import hf_tiny
+from ..fresh import run_fresh
+from ..hf_tiny import LLAMA
+from ..helpers import max_err
+from ..hlo_count import collectives_of, matmul_flops
+
+DEVICE = torch_xla.device()
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return xla_tp.make_mesh(data=2, model=4)
+
+
+def partitioned(tensors) -> str:
+    """The per-device program that computes ``tensors`` (conftest sets XLA_DUMP_POST_OPTIMIZATIONS)."""
+    return torch_xla._XLAC._get_xla_tensors_hlo(list(tensors))
+
+
+def on_device(inputs: dict) -> dict:
+    return {k: v.to(DEVICE) for k, v in inputs.items()}
+
+
+def outputs(out) -> list[torch.Tensor]:
+    """Every tensor a model returned (what ``audit`` compiles: the whole call)."""
+    return [t for t in tree_leaves(out.to_tuple() if hasattr(out, "to_tuple") else out) if isinstance(t, torch.Tensor)]
+
+
+def balance_of(text: str, cpu: nn.Module, inputs: dict, devices: int = 8) -> float:
+    """Matmul FLOPs per device of ``text`` x devices / those of ``cpu``'s forward on ``inputs`` unsharded."""
+    plain = copy.deepcopy(cpu).to(DEVICE)
+    whole = matmul_flops(partitioned(outputs(plain(**on_device(inputs)))))
+    return matmul_flops(text) * devices / whole
+
+
+def assert_audit_reads_the_program(report, text: str) -> None:
+    """The audit's measured figures are those of ``text``, the program of the user's call."""
+    found = collectives_of(text)
+    assert report.flops_per_device == matmul_flops(text)
+    assert {k: (v["count"], v["bytes"]) for k, v in report.collectives.items()} == found
+    assert report.comm_bytes == sum(b for _, b in found.values())
+
+
+CALLS = [pytest.param(name, "keyword", id=f"{name}-keyword") for name in hf_tiny.BUILDERS]
+CALLS += [pytest.param(name, "position", id=f"{name}-position", marks=pytest.mark.complete) for name in hf_tiny.BUILDERS]
+
+
+@pytest.mark.parametrize("name,how", CALLS)
+def test_the_users_call_splits_the_batch_and_the_audit_reads_its_program(name, how, mesh):
+    cpu, inputs = hf_tiny.build(name)
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    dev = on_device(inputs)
+    main = model.main_input_name
+    args, kwargs = ((), dev) if how == "keyword" else ((dev[main],), {k: v for k, v in dev.items() if k != main})
+    out = model(*args, **kwargs)
+    text = partitioned(outputs(out))
+    balance = balance_of(text, cpu, inputs)
+    assert balance <= 1.10, f"{name} by {how}: every device computes {balance:.2f}x its share"
+    assert "all-gather" not in collectives_of(text)
+    report = xla_tp.audit(model, *args, mesh=mesh, **kwargs)
+    assert report.compute_balance == pytest.approx(balance, rel=0.01)
+    assert_audit_reads_the_program(report, text)
+    # at the minimum; SigLIP's pooling head repeats a parameter (its probe) over the batch, which the compiler
+    # then moves to the data shards once (an all-to-all of 512 bytes, 1.2% of the layers' all-reduces)
+    assert report.comm_ratio == pytest.approx(1.0) if name != "siglip_vision" else report.comm_ratio < 1.02
+    with torch.no_grad():
+        assert max_err(out.last_hidden_state.cpu(), cpu(**inputs).last_hidden_state) < 1e-4
+
+
+def test_an_input_sharded_by_the_user_keeps_its_split(mesh):
+    """``mark_sharding`` (or ``MpDeviceLoader``'s ``input_sharding``) on the input before a keyword call."""
+    import torch_xla.distributed.spmd as xs
+    cpu, inputs = hf_tiny.build("vit")
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    pixels = inputs["pixel_values"].to(DEVICE)
+    xs.mark_sharding(pixels, mesh, ("data", None, None, None))
+    text = partitioned(outputs(model(pixel_values=pixels)))
+    assert balance_of(text, cpu, inputs) <= 1.10 and set(collectives_of(text)) == {"all-reduce"}
+
+
+TINY_LLAMA = LLAMA
+
+
+def test_a_decoders_forward_and_backward_audit_equals_a_second_reading(mesh):
+    torch.manual_seed(0)
+    cpu = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    ids = torch.randint(0, 128, (4, 16)).to(DEVICE)
+    logits = model(input_ids=ids).logits
+    params = [p for p in model.parameters() if p.requires_grad]
+    text = partitioned([logits, *torch.autograd.grad(logits.float().sum(), params)])
+    report = xla_tp.audit(model, mesh=mesh, backward=True, input_ids=ids)
+    assert_audit_reads_the_program(report, text)
+    assert report.comm_ratio == pytest.approx(1.0) and report.compute_balance == pytest.approx(1.0, abs=0.01)
+
+
+def test_a_batch_that_does_not_divide_is_split_as_far_as_it_does_and_says_so():
+    mesh = xla_tp.make_mesh(data=2, fsdp=2, model=2)
+    cpu, inputs = hf_tiny.build("esm")
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    six = {k: v.repeat(2, 1)[:6] for k, v in inputs.items()}  # 6 rows: data=2 divides them, data x fsdp does not
+    with pytest.warns(UserWarning, match=r"batch 6 does not divide over data=2 x fsdp=2 .* split over data only"):
+        text = partitioned(outputs(model(**on_device(six))))
+    balance = balance_of(text, cpu, six)
+    assert balance < 1.5  # the compiler splits the 3 rows of each data shard's over fsdp's devices
+    with pytest.warns(UserWarning, match="batch 6 does not divide"):
+        report = xla_tp.audit(model, mesh=mesh, **on_device(six))
+    assert any("its inputs are split over data only (2 ways)" in note for note in report.notes)
+    assert report.compute_balance == pytest.approx(balance, rel=0.01)
+    three = {k: v[:3] for k, v in inputs.items()}  # nothing divides 3: whole on every device, as measured
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    with pytest.warns(UserWarning, match="batch 3 does not divide over data=2 .* its inputs are whole on every device"):
+        text = partitioned(outputs(model(**on_device(three))))
+    assert balance_of(text, cpu, three) == pytest.approx(2.0, rel=0.01)
+
+
+class Named(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, backward=None):
+        return self.fc(x)
+
+
+def test_an_input_named_like_the_audits_own_keywords_is_refused(mesh):
+    model = xla_tp.parallelize_xla(Named(), {}, mesh=mesh)
+    with pytest.raises(PlanError, match=r"takes an input named 'backward'.* audit's own keywords"):
+        xla_tp.audit(model, torch.ones(4, 8, device=DEVICE), mesh=mesh)
+
+
+class Lora(nn.Module):
+    """peft's LoRA layer as ``get_peft_model`` puts it in place of a Linear: the base layer and rank-r adapters."""
+
+    def __init__(self, base: nn.Linear, r: int = 4):
+        super().__init__()
+        self.base_layer = base
+        self.lora_A = nn.ModuleDict({"default": nn.Linear(base.in_features, r, bias=False)}).to(DEVICE)
+        self.lora_B = nn.ModuleDict({"default": nn.Linear(r, base.out_features, bias=False)}).to(DEVICE)
+        nn.init.normal_(self.lora_B["default"].weight)
+
+    def forward(self, x):
+        return self.base_layer(x) + self.lora_B["default"](self.lora_A["default"](x)) * 2.0
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward+backward"])
+def test_adapters_added_after_parallelizing_are_named_and_counted(mesh, backward):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_LLAMA))
+    xla_tp.parallelize_xla(model, "auto", mesh=mesh)
+    model.requires_grad_(False)
+    for layer in model.model.layers:  # peft's all-linear targets: column- and row-parallel layers alike
+        for owner, name in ((layer.self_attn, "q_proj"), (layer.self_attn, "o_proj"), (layer.mlp, "up_proj"),
+                            (layer.mlp, "down_proj")):
+            setattr(owner, name, Lora(getattr(owner, name)))
+    ids = torch.randint(0, 128, (4, 16)).to(DEVICE)
+    report = xla_tp.audit(model, mesh=mesh, backward=backward, input_ids=ids)
+    logits = model(input_ids=ids).logits
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    text = partitioned([logits, *(torch.autograd.grad(logits.float().sum(), adapters) if backward else ())])
+    assert_audit_reads_the_program(report, text)
+    assert report.comm_ratio == pytest.approx(1.0)  # the minimum counts each adapter's rank-sized reduction
+    assert any(note.startswith("16 modules added after parallelize_xla (Linear; e.g. model.layers.0.")
+               for note in report.notes), report.notes
+
+
+GENERATE = '''
+import json, os, torch, torch_xla, transformers, xla_tp
+from xla_tp.generation import run
+dump = os.environ["DUMP"]
+def dumped():
+    return sum(name.endswith("before_optimizations.txt") for name in os.listdir(dump))
+torch.manual_seed(0)
+config = transformers.LlamaConfig(**CONFIG)
+model = xla_tp.parallelize_xla(transformers.LlamaForCausalLM(config).eval(), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+out = {"calls": []}
+for new in (16, 64, 64):
+    before = dumped()
+    result = run(model, torch.randint(3, 128, (2, 12)), new, eos_token_id=None)
+    out["calls"].append([new, result.compiles, dumped() - before])
+ids = torch.randint(3, 128, (4, 16)).to(torch_xla.device())
+report = xla_tp.audit(model, mesh=xla_tp.make_mesh(data=2, model=4), input_ids=ids, attention_mask=torch.ones_like(ids))
+out["audit"] = [report.comm_ratio, report.compute_balance, report.count("all-gather")]
+print("JSON" + json.dumps(out))
+'''
+
+
+def test_generation_compiles_per_bucket_not_per_token_counted_as_xla_dumps_them(tmp_path):
+    out = run_fresh(f"import os\nos.environ['DUMP'] = {str(tmp_path)!r}\nos.environ['XLA_FLAGS'] = "
+                    f"'--xla_dump_to={tmp_path}'\nCONFIG = {TINY_LLAMA!r}\n" + GENERATE)
+    got = json.loads(next(line[4:] for line in out.splitlines() if line.startswith("JSON")))
+    (_, short, short_dumped), (_, long, long_dumped), (_, again, again_dumped) = got["calls"]
+    assert (short, long, again) == (short_dumped, long_dumped, again_dumped)  # the printed count is XLA's
+    assert long <= 3 and long <= short and again == 0  # 64 tokens: no program per token
+    assert got["audit"] == [pytest.approx(1.0), pytest.approx(1.0, abs=0.01), 0]
