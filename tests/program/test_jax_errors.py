@@ -45,6 +45,22 @@ def test_plan_errors_leave_the_model_as_it_was(plan, message):
     assert all(torch.equal(after[0][k], v) for k, v in before[0].items())
 
 
+def test_an_unknown_outputs_choice_is_refused_before_anything_changes():
+    model = registry.build("llama")
+    before = _snapshot(model)
+    with pytest.raises(xla_tp.PlanError, match="outputs='rows'; pass 'global'"):
+        xla_tp.parallelize_jax(model, "auto", mesh={"model": 8}, outputs="rows")
+    after = _snapshot(model)
+    assert after[1:] == before[1:] and all(torch.equal(after[0][k], v) for k, v in before[0].items())
+
+
+def test_one_process_holds_every_row():
+    jm = xla_tp.parallelize_jax(MLP(), "auto", mesh={"data": 2, "model": 4}, outputs="process")
+    assert jm.process_slice(8) == slice(0, 8) and jm.processes == 1
+    x = torch.randn(8, 16)
+    torch.testing.assert_close(jm(jm.process_rows(x)), jm(x))
+
+
 def test_meta_model_is_refused_before_anything_changes():
     with torch.device("meta"):
         model = MLP()

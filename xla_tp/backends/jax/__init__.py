@@ -33,7 +33,7 @@ EXTRA = "the JAX backend needs jax, jaxlib and torchax: pip install 'xla_tp[jax]
 
 
 def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh", Mapping[str, int], None] = None,
-                    *, tp_axis: str = "model", strict: bool = True) -> "JaxModel":
+                    *, tp_axis: str = "model", strict: bool = True, outputs: str = "global") -> "JaxModel":
     """Shard ``model``'s parameters on a JAX mesh following ``plan``; a ``JaxModel``.
 
     ``plan`` takes everything ``parallelize_xla`` takes. ``mesh`` is a ``jax.sharding.Mesh``, axis
@@ -41,13 +41,19 @@ def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh
     ``model`` mesh over all jax devices). On CPU jax gets ``CPU_NUM_DEVICES`` devices (or as many as
     the mesh needs) if it has not started yet. Like ``parallelize_xla``, the model's forward is
     prepared in place (einsum attention, ...); its own CPU tensors keep their values, the
-    ``JaxModel`` holds the sharded copies. After a plan or mesh error the model is as it was. Example::
+    ``JaxModel`` holds the sharded copies. After a plan or mesh error the model is as it was. Across
+    processes (``jax.distributed.initialize`` before, the mesh over every process's devices) each process
+    makes the same calls; ``outputs``: ``"global"`` (each gets the whole output) or ``"process"`` (its own
+    rows). Example::
 
         jm = parallelize_jax(model, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}, mesh={"model": 8})
         y = jm(x)
     """
     if not isinstance(model, nn.Module):
         raise PlanError(f"parallelize_jax takes an nn.Module, got {type(model).__name__}")
+    if outputs not in ("global", "process"):
+        raise PlanError(f"parallelize_jax: outputs={outputs!r}; pass 'global' (every process gets the whole "
+                        f"output) or 'process' (each process its own rows)")
     try:
         from .mesh import to_jax_mesh
         from .model import JaxModel
@@ -77,7 +83,7 @@ def parallelize_jax(model: nn.Module, plan: PlanLike = "auto", mesh: Union["Mesh
     # attention with visible heads, whoever wrote the plan, and column groups (as on torch_xla); no
     # vocabulary tables: JAX differentiates the forward itself
     install_lowering(model, state, plan, embeddings=False)
-    return JaxModel(model, layout, jmesh, plan)
+    return JaxModel(model, layout, jmesh, plan, outputs)
 
 
 def __getattr__(name: str) -> Any:

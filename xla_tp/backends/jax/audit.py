@@ -27,7 +27,7 @@ from ...auditing.figures import report_from_hlo, set_minimum
 from ...constraints import Constrainer, register_hooks
 from ...dataflow.routing import batched_experts
 from ...plan.layout import Layout
-from .mesh import device_ids
+from .mesh import partition_ids
 from .program import Outputs, call_module
 from .runtime import shardy, to_torch, torchax_tracing
 
@@ -37,7 +37,7 @@ def audit_jax(jm: Any, args: tuple, kwargs: dict, backward: bool) -> AuditReport
     outputs w.r.t. the trainable parameters) and report what the program communicates."""
     text = compiled_hlo(jm, args, kwargs, backward)
     unsharded = dot_flops(compiled_hlo(jm, args, kwargs, backward, sharded=False))
-    report, found = report_from_hlo(text, device_ids(jm.mesh), tuple(jm.mesh.axis_names), backward, unsharded)
+    report, found = report_from_hlo(text, partition_ids(jm.mesh), tuple(jm.mesh.axis_names), backward, unsharded)
     report.param_bytes_per_device = sum(_shard_numel(a) * a.dtype.itemsize for a in jm.params.values())
     report.param_bytes_total = sum(a.size * a.dtype.itemsize for a in jm.params.values())
     calls = record_calls(jm.module, jm.layout, args, kwargs)

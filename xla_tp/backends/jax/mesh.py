@@ -65,6 +65,8 @@ def axis_sizes(axes: Mapping[str, Optional[int]]) -> dict[str, int]:
     return {a: sizes[a] for a in AXIS_ORDER if a in sizes}
 
 
-def device_ids(mesh: Mesh) -> np.ndarray:
-    """The mesh's device ids, one array dimension per axis."""
-    return np.vectorize(lambda d: d.id, otypes=[int])(mesh.devices)
+def partition_ids(mesh: Mesh) -> np.ndarray:
+    """The ids the compiled program's replica groups name, one array dimension per axis: a device's position
+    in the mesh (the program's device assignment is the mesh's devices in order), which is not its
+    ``Device.id`` across processes."""
+    return np.arange(mesh.devices.size).reshape(mesh.devices.shape)

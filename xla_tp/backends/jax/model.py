@@ -9,10 +9,16 @@ parameters live in ``params`` as jax arrays laid out as the plan's layout says. 
     loss, grads = jm.value_and_grad(loss_fn)(jm.params, tokens, labels)
     step = jm.train_step(loss_fn, AdamW(lr=1e-3))
     loss = step(tokens, labels)                        # jm.params updated, shardings kept
+
+Across processes (``jax.distributed.initialize`` first, a mesh over every process's devices), every
+process makes the same calls: inputs are whole in each, or each process's own rows through
+``jm.process_rows(rows)``; outputs hold the whole value in every process, or (``outputs="process"``)
+each process's own rows.
 """
 from __future__ import annotations
 
 import inspect
+import math
 from typing import Any, Callable
 
 import jax
@@ -28,7 +34,7 @@ from ...plan.layout import Layout, activation_spec
 from ...state import state_of
 from .audit import audit_jax, compiled_hlo
 from .program import Inputs, Outputs, Program, call_module, jax_view, signature
-from .runtime import shardy, to_jax, to_torch
+from .runtime import from_process_rows, shardy, to_jax, to_torch
 from .train import TrainStep
 
 LossFn = Callable[..., Any]  # loss_fn(module, *batch, **kwargs) -> scalar torch tensor
@@ -42,10 +48,12 @@ class JaxModel:
       data axes. Hugging Face models run with ``use_cache=False`` unless told otherwise.
     - ``params`` / ``buffers``: FQN -> jax array (tied parameters appear once, under their first name).
     - ``value_and_grad(loss_fn)``, ``train_step(loss_fn, optimizer)``, ``audit(*args)``, ``to_module()``.
+    - ``outputs``: ``"global"`` (every process gets the whole output) or ``"process"`` (its own rows).
     """
 
-    def __init__(self, module: nn.Module, layout: Layout, mesh: Mesh, plan: Any):
-        self.module, self.layout, self.mesh, self.plan = module, layout, mesh, plan
+    def __init__(self, module: nn.Module, layout: Layout, mesh: Mesh, plan: Any, outputs: str = "global"):
+        self.module, self.layout, self.mesh, self.plan, self.outputs = module, layout, mesh, plan, outputs
+        self._rows = tuple(layout.batch_axes) if outputs == "process" else None  # to_torch's batch_axes
         self.program = Program(module, layout, mesh)
         self.trainable = {n for n, p in module.named_parameters() if p.requires_grad}
         self.params = {n: to_jax(p, self.sharding(n)) for n, p in module.named_parameters()}
@@ -62,7 +70,7 @@ class JaxModel:
         arrays, static = self.inputs(args, self._defaults(kwargs))
         with shardy():
             flat = self._forward(self.params, self.buffers, arrays, static=static)
-        return self._outputs[signature(arrays, static)].merge([to_torch(a) for a in flat])
+        return self._outputs[signature(arrays, static)].merge([to_torch(a, self._rows) for a in flat])
 
     def _forward_fn(self, params: dict, buffers: dict, arrays: tuple, static: Inputs) -> list:
         args, kwargs = static.merge(arrays)
@@ -87,6 +95,34 @@ class JaxModel:
             lowering.find_at_call(self.module, state, *host, embeddings=False)
         batched = {id(x) for _, x in batch_inputs(args, kwargs, getattr(self.module, "main_input_name", None))}
         return Inputs.split(args, kwargs, lambda x: self._to_array(x, id(x) in batched))
+
+    def process_slice(self, batch: int) -> slice:
+        """The rows of a batch of ``batch`` this process's devices hold, split over the data axes: what it gives
+        ``process_rows`` (processes whose devices share a data shard give the same rows).
+        Example: ``jm.process_rows(ids[jm.process_slice(len(ids))])``."""
+        index = self._batch_sharding((batch,)).addressable_devices_indices_map((batch,)).values()
+        starts = sorted({i[0].start or 0 for i in index})
+        stops = sorted({batch if i[0].stop is None else i[0].stop for i in index})
+        return slice(starts[0], stops[-1])
+
+    def process_rows(self, rows: Any) -> jax.Array:
+        """This process's ``rows`` of a batch input (``process_slice``), assembled with every other process's
+        into one global array split over the data axes; pass it to ``jm(...)`` or a train step. Every process
+        calls it. Example: ``jm(jm.process_rows(my_ids))``."""
+        rows = torch.from_numpy(rows) if isinstance(rows, np.ndarray) else rows
+        shards = math.prod(self.mesh.shape[a] for a in self.layout.batch_axes)
+        held = len({i[0].start for i in self._batch_sharding((shards,)).addressable_devices_indices_map((shards,)).values()})
+        shape = (rows.shape[0] * shards // held, *rows.shape[1:])
+        return from_process_rows(rows, self._batch_sharding(shape), shape)
+
+    def _batch_sharding(self, shape: tuple[int, ...]) -> NamedSharding:
+        spec = activation_spec(Replicate(), shape, self.layout.tp_axis, self.layout.batch_axes, dict(self.mesh.shape))
+        return NamedSharding(self.mesh, PartitionSpec(*spec))
+
+    @property
+    def processes(self) -> int:
+        """How many processes hold devices of the mesh."""
+        return len({d.process_index for d in self.mesh.devices.flat})
 
     def _to_array(self, x: Any, batched: bool) -> jax.Array:
         """``x`` as a jax array: split on the batch if it carries it (``xla_tp.batch``), else replicated."""

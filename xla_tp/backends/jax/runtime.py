@@ -8,7 +8,10 @@
 - ``shardy()``: every program this backend compiles uses Shardy (jax's default partitioner).
   torch_xla switches the whole process to GSPMD the first time it annotates a tensor, so without
   this the same model would compile differently depending on what ran before.
-- ``to_jax(tensor, sharding)`` / ``to_torch(array)``: host copies, each device given only its shard.
+- ``to_jax(tensor, sharding)`` / ``to_torch(array)``: host copies, each device given only its shard; across
+  processes (``jax.distributed.initialize``), ``to_torch`` gathers the shards other processes hold (every
+  process must call it), or gives this process's own rows (``batch_axes``); ``from_process_rows``
+  assembles each process's rows into one global array.
 
 Example::
 
@@ -20,11 +23,13 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import jax
 import numpy as np
 import torch
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec
 
 # torch dtypes numpy lacks, moved as same-width integers: torch dtype -> (torch carrier, numpy carrier, jax dtype)
 _NUMPY_LACKS = {torch.bfloat16: (torch.int16, np.int16, jax.numpy.bfloat16),
@@ -45,12 +50,19 @@ def torchax_tracing() -> Iterator[None]:
         torch.backends.mha.set_fastpath_enabled(before)
 
 
+def processes() -> int:
+    """How many processes ``jax.distributed.initialize`` joined (1 without it), read without starting jax."""
+    from jax._src import distributed  # the public jax.process_count() starts the backend, fixing its devices
+    return distributed.global_state.num_processes or 1
+
+
 def ensure_cpu_devices(needed: int) -> None:
-    """Ask jax's CPU client for ``max(needed, CPU_NUM_DEVICES)`` devices, unless jax has started or
-    the user chose a count (``jax_num_cpu_devices``, ``--xla_force_host_platform_device_count``)."""
+    """Ask jax's CPU client for ``max(needed, CPU_NUM_DEVICES)`` devices (``needed`` shared out over the
+    processes ``jax.distributed`` joined), unless jax has started or the user chose a count
+    (``jax_num_cpu_devices``, ``--xla_force_host_platform_device_count``)."""
     if jax.config.jax_num_cpu_devices != -1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
         return
-    count = max(needed, int(os.environ.get("CPU_NUM_DEVICES", "0") or 0))
+    count = max(-(-needed // processes()), int(os.environ.get("CPU_NUM_DEVICES", "0") or 0))
     try:
         jax.config.update("jax_num_cpu_devices", count)
     except RuntimeError:
@@ -90,9 +102,30 @@ def to_jax(t: torch.Tensor, sharding: jax.sharding.Sharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
-def to_torch(a: jax.Array) -> torch.Tensor:
-    """A CPU torch tensor holding the value of ``a`` (gathered from its shards)."""
-    host = np.asarray(a)
+def from_process_rows(t: torch.Tensor, sharding: jax.sharding.NamedSharding, shape: tuple[int, ...]) -> jax.Array:
+    """One global array of ``shape`` laid out as ``sharding`` from each process's rows ``t`` (the rows its
+    devices hold): every process calls it."""
+    return jax.make_array_from_process_local_data(sharding, host_array(t), shape)
+
+
+def _host_value(a: jax.Array, batch_axes: Optional[tuple[str, ...]]) -> np.ndarray:
+    if a.is_fully_addressable or a.is_fully_replicated:
+        return np.asarray(a)
+    if batch_axes is None:
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))  # a collective: every process calls it
+    # the rows of this process's devices: dim 0 keeps its split over the batch axes, every other dim whole
+    mesh, first = a.sharding.mesh, a.sharding.spec[0] if len(a.sharding.spec) else None
+    kept = tuple(x for x in (first if isinstance(first, tuple) else (first,)) if x in batch_axes)
+    rows = PartitionSpec(kept or None)
+    whole_rows = jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, rows))(a)
+    return np.asarray(multihost_utils.global_array_to_host_local_array(whole_rows, mesh, rows))
+
+
+def to_torch(a: jax.Array, batch_axes: Optional[tuple[str, ...]] = None) -> torch.Tensor:
+    """A CPU torch tensor holding the value of ``a`` (gathered from its shards, in every process when they
+    span several); with ``batch_axes``, only the rows this process's devices hold of dim 0's split over those
+    axes (every other dim whole)."""
+    host = _host_value(a, batch_axes)
     for dtype, (_, carrier, jax_dtype) in _NUMPY_LACKS.items():
         if host.dtype == jax_dtype:
             return torch.from_numpy(host.view(carrier).copy()).view(dtype)
