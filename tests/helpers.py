@@ -10,7 +10,7 @@ import torch_xla.distributed.spmd as xs
 from xla_tp import compat
 from xla_tp.auditing.capture import capture_partitioned_hlo
 from xla_tp.auditing.hlo import collective_summary, parse_collectives
-from xla_tp.lowering import scope
+from xla_tp.lowering import owners, scope
 from xla_tp.plan.layout import Layout
 from xla_tp.state import ModelState, register
 
@@ -96,5 +96,6 @@ def lowered_forward(module: torch.nn.Module, mesh: xs.Mesh, tp: int) -> ModelSta
     state.lease = compat.lease()
     register(module, state, state.lease.release)
     scope.install_root(module, state, None)
+    owners.install(module, state, {"": "everything"}, set())  # the lowering mode around its whole forward
     scope.install_exit(module, state)
     return state

@@ -1,5 +1,10 @@
 """Everything xla_tp changes outside its own objects: one list, installed while a model needs it.
 
+The lowering of a parallelized forward is not here: it is a mode entered around the modules that own a
+rewrite (``lowering.owners``), so torch's functions (``F.linear``, ``torch.matmul``, SDPA, ``x[i]``, ...)
+stay torch's own objects. What remains is what no module owns: calls made outside any module, and
+behaviours of torch_xla, transformers and torchao that a mode cannot reach.
+
 Each ``Effect`` names its target, the versions it was written for and why it exists. The first
 parallelized model takes a lease (``lease()``), which installs every effect whose target is loaded;
 when the last lease is released (``unparallelize``, or the model is garbage-collected) every effect
@@ -10,7 +15,7 @@ Targets in optional packages (transformers, torchao) are installed once that pac
 ``refresh()`` retries them (each new lease and each optimizer step does). Example::
 
     lease = compat.lease()          # parallelize_xla does this
-    installed()                     # ['sdpa', 'matmul', ...]
+    installed()                     # ['histc', 'tensor_histc', 'dynamo_bridge', ...]
     lease.release()                 # the last one: every original is back
 
 ``SETTINGS`` lists what cannot be undone that way, because what reads it keeps the first value it
@@ -97,48 +102,11 @@ def call(ref: str, loaded: str) -> Callable[[], Optional[Undo]]:
 
 _ENTRY = "xla_tp.lowering.entry"
 EFFECTS: tuple[Effect, ...] = (
-    Effect("sdpa", "torch.nn.functional.scaled_dot_product_attention", TORCH_XLA,
-           "XLA lowers its batched 4-D matmuls through a reshape that merges batch and heads, hiding a head "
-           "split from GSPMD (q, k, v all-gathered, attention replicated); inside a parallelized forward it "
-           "is two einsums", replace("torch.nn.functional.scaled_dot_product_attention", f"{_ENTRY}:sdpa")),
-    Effect("matmul", "torch.matmul", TORCH_XLA, "4-D matmuls (HF eager attention): as sdpa",
-           replace("torch.matmul", f"{_ENTRY}:matmul")),
-    Effect("tensor_matmul", "torch.Tensor.matmul", TORCH_XLA, "as matmul",
-           replace("torch.Tensor.matmul", f"{_ENTRY}:matmul")),
-    Effect("tensor_at", "torch.Tensor.__matmul__", TORCH_XLA, "as matmul (the @ operator)",
-           replace("torch.Tensor.__matmul__", f"{_ENTRY}:matmul")),
-    Effect("mha", "torch.nn.functional.multi_head_attention_forward", TORCH_XLA,
-           "nn.MultiheadAttention's bmm hides the heads as sdpa does; its packed in-projection is read "
-           "block by block when re-laid", replace("torch.nn.functional.multi_head_attention_forward",
-                                                   f"{_ENTRY}:mha")),
-    Effect("layer_norm", "torch.nn.functional.layer_norm", TORCH_XLA,
-           "torch_xla's layer_norm all-gathers a batch split over the data axis; spelled out it does not",
-           replace("torch.nn.functional.layer_norm", f"{_ENTRY}:layer_norm")),
-    Effect("embedding", "torch.nn.functional.embedding", TORCH_XLA,
-           "GSPMD scatters a vocabulary-split table's gradient into a full table on every device and "
-           "reduces it over the whole mesh; xla_tp scatters it per device",
-           replace("torch.nn.functional.embedding", f"{_ENTRY}:embedding")),
-    Effect("linear", "torch.nn.functional.linear", TORCH_XLA,
-           "column groups (q/k/v, gate/up) computed together so their input gradient is reduced once; tied "
-           "LM heads read one copy of the table per batch replica; re-laid packed outputs tagged for the "
-           "model's own slicing", replace("torch.nn.functional.linear", f"{_ENTRY}:linear")),
-    Effect("addmm", "torch.addmm", TORCH_XLA, "HF Conv1D (GPT-2) projections: re-laid packed outputs, as linear",
-           replace("torch.addmm", f"{_ENTRY}:addmm")),
     Effect("histc", "torch.histc", TORCH_XLA,
-           "XLA has no histogram of integers (MoE routers and auxiliary losses count expert choices with it): "
-           "comparisons of static shape", replace("torch.histc", f"{_ENTRY}:histc")),
+           "XLA has no histogram of integers: MoE auxiliary losses count expert choices with it in the model's own "
+           "forward or in the user's loss code, outside any module that could own the call; inside a parallelized "
+           "model, XLA tensors are counted by comparisons of static shape", replace("torch.histc", f"{_ENTRY}:histc")),
     Effect("tensor_histc", "torch.Tensor.histc", TORCH_XLA, "as histc", replace("torch.Tensor.histc", f"{_ENTRY}:histc")),
-    Effect("where", "torch.where", TORCH_XLA,
-           "an MoE layer looping over per-expert modules picks each one's tokens with torch.where(mask): a "
-           "data-dependent shape, read on the host and compiled again per routing; static positions instead",
-           replace("torch.where", f"{_ENTRY}:where")),
-    Effect("nonzero", "torch.nonzero", TORCH_XLA, "as where (as_tuple=True)", replace("torch.nonzero", f"{_ENTRY}:nonzero")),
-    Effect("tensor_nonzero", "torch.Tensor.nonzero", TORCH_XLA, "as where (as_tuple=True)",
-           replace("torch.Tensor.nonzero", f"{_ENTRY}:nonzero")),
-    Effect("getitem", "torch.Tensor.__getitem__", TORCH_XLA,
-           "torch_xla raises 'Value out of range' for a slice bound past a dimension (transformers' "
-           "sliding-window caches do it) where the CPU clamps: retried clamped",
-           replace("torch.Tensor.__getitem__", f"{_ENTRY}:getitem")),
     Effect("dynamo_bridge", "torch_xla._dynamo.dynamo_bridge.extract_graph_helper", TORCH_XLA,
            "the bridge matches graph inputs by an id that SPMD re-stamps, so a compiled backward replays the "
            "first step's inputs; xla_tp matches them by device buffer",
@@ -161,6 +129,12 @@ EFFECTS: tuple[Effect, ...] = (
            "runs in static slots split as its weights are",
            replace("transformers.integrations.moe.ExpertsInterface.get_interface",
                    "xla_tp.lowering.routed:experts_interface")),
+    Effect("attention_interface", "transformers.modeling_utils.AttentionInterface.get_interface",
+           "transformers 5.23.0", "a transformers attention module calls its attention function from this registry: "
+           "the function runs inside the lowering mode when the module belongs to a parallelized model (its heads "
+           "kept visible to the compiler), so the mode sees the attention's few ops, not the whole module's",
+           replace("transformers.modeling_utils.AttentionInterface.get_interface",
+                   "xla_tp.lowering.owners:attention_interface")),
     Effect("hf_mask_skip", "transformers.masking_utils._ignore_causal_mask_sdpa", "transformers 5.23.0 / torch_xla 2.9.0",
            "it reads the padding mask and the cache's offset on the host to decide whether SDPA may drop the mask; "
            "on XLA each read executes the pending graph, so one forward (a generation step) compiles as three "

@@ -90,6 +90,8 @@ class ModelState:
     handles: list[Any] = field(default_factory=list)  # other hooks: scope, inference, packed state dicts
     relaid: dict[str, Any] = field(default_factory=dict)  # parameter FQN -> Packing applied to it
     sites: set[str] = field(default_factory=set)  # modules that slice a re-laid packed projection
+    owners: dict[str, str] = field(default_factory=dict)  # module FQN -> the rewrite it owns (``lowering.owners``)
+    owner_handles: list[Any] = field(default_factory=list)  # (weakref to module, its hooks) (found again: replaced)
     groups: list[tuple[str, ...]] = field(default_factory=list)  # column groups found (member FQNs)
     tables: list[str] = field(default_factory=list)  # vocabulary-split tables found (module FQNs)
     experts: list[str] = field(default_factory=list)  # MoE layers found (module FQNs)
@@ -119,6 +121,10 @@ class ModelState:
             lines.append(f"vocabulary tables (per-device gradients): {self.tables or 'none'}")
             if self.experts:
                 lines.append(f"MoE layers (static slots, {self.moe_options}): {self.experts}")
+            owned = {}
+            for fqn, what in self.owners.items():
+                owned.setdefault(what, []).append(fqn or "<root>")
+            lines += [f"rewrites owned by ({what}): {fqns}" for what, fqns in sorted(owned.items())]
         if self.relaid:
             lines.append(f"packed projections re-laid device-major: {sorted(self.relaid)}")
         return "\n".join(lines)
@@ -141,9 +147,9 @@ class ModelState:
         for _, handles in self.constraints.values():
             for handle in handles:
                 handle.remove()
-        for handle in self.handles:
+        for handle in [*self.handles, *(h for _, handles in self.owner_handles for h in handles)]:
             handle.remove()
-        self.constraints, self.implied, self.handles = {}, {}, []
+        self.constraints, self.implied, self.handles, self.owner_handles = {}, {}, [], []
 
 
 def register(module: nn.Module, state: ModelState, release: Callable[[], None]) -> None:

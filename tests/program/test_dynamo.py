@@ -17,9 +17,9 @@ import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
 from xla_tp.state import state_of
 from xla_tp.zoo import registry
+from tests.hf_tiny import tiny_llama
 
 mesh = xla_tp.make_mesh(data=2, model=4)
-torch.manual_seed(0)
 base = tiny_llama(max_position_embeddings=2048)
 user = {f"model.layers.*.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
 user.update({f"model.layers.*.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})

@@ -78,3 +78,19 @@ def test_copying_or_moving_a_parallelized_model_is_refused_until_it_is_plain_aga
     assert scope.depth() == 0  # the refused forward left no parallelized model "running" behind it
     xla_tp.unparallelize(model)
     assert max_err(run(copy.deepcopy(model), x), want) < 1e-4 and max_err(run(model, x), want) < 1e-4
+
+
+def test_each_rewrite_is_owned_by_its_modules_and_goes_with_them(tiny_llama):
+    """The lowering lives on the modules that own a rewrite: q/k/v and gate/up run as their lowered class, the
+    attention's function inside the mode, all listed in ``explain()``; ``unparallelize`` gives every module its
+    own class back. (torch's functions staying torch's own: tests/user_paths/test_scoped.py.)"""
+    model = xla_tp.parallelize_xla(tiny_llama(), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for member in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj, model.model.embed_tokens):
+        assert type(member).__bases__ in ((torch.nn.Linear,), (torch.nn.Embedding,)), type(member).__mro__
+    assert type(attn.o_proj) is torch.nn.Linear and type(mlp.down_proj) is torch.nn.Linear  # nothing to rewrite
+    text = xla_tp.state_of(model).explain()
+    assert "rewrites owned by (attention (transformers' AttentionInterface)): ['model.layers.0.self_attn'" in text
+    assert "'model.layers.0.self_attn.q_proj'" in text
+    xla_tp.unparallelize(model)
+    assert type(attn.q_proj) is torch.nn.Linear and type(model.model.embed_tokens) is torch.nn.Embedding

@@ -120,15 +120,18 @@ def test_heads_the_axis_does_not_divide_take_the_cheapest_alternative(mesh):
         plan_for(model, mesh=mesh, strict=True)
 
 
+ADDMM, LINEAR = torch.addmm, torch.nn.functional.linear
+
+
 def test_plans_do_not_change_while_another_model_is_parallelized(mesh):
-    """A parallelized model installs the compat effects (``F.linear``, ``torch.addmm`` replaced); planning
-    another model meanwhile must see through them: GPT-2's packed ``c_attn`` (``addmm``) still gets its zero
-    heads (6 heads on 4 devices), the same plan as with no parallelized model alive."""
+    """A parallelized model holds its lease on the compat effects and its lowering hooks; planning another model
+    meanwhile sees torch's own functions: GPT-2's packed ``c_attn`` (``addmm``) still gets its zero heads (6 heads
+    on 4 devices), the same plan as with no parallelized model alive."""
     cfg = transformers.GPT2Config(n_embd=48, n_layer=1, n_head=6, vocab_size=128, n_positions=32)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     alone = plan_for(model, mesh=mesh)
     other = xla_tp.parallelize_xla(build("mlp"), "auto", mesh=mesh)
-    assert "addmm" in compat.installed() and "linear" in compat.installed()
+    assert "histc" in compat.installed() and torch.addmm is ADDMM and torch.nn.functional.linear is LINEAR
     meanwhile = plan_for(model, mesh=mesh)
     assert meanwhile.choices[0].chosen.name == alone.choices[0].chosen.name, meanwhile.choices[0].invalid
     assert "zero heads" in meanwhile.choices[0].chosen.name

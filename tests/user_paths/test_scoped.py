@@ -67,7 +67,7 @@ mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Lin
 model = xla_tp.parallelize_xla(mlp, "auto", mesh=mesh)
 model(torch.randn(4, 8, 32).to(torch_xla.device())).sum().backward()
 torch_xla.sync()
-assert "sdpa" in compat.installed() and "linear" in compat.installed()
+assert "histc" in compat.installed() and "dynamo_bridge" in compat.installed()
 print(json.dumps(unrelated()))
 '''
 
@@ -127,13 +127,14 @@ print(json.dumps(out))
 
 
 def test_torch_functions_are_the_originals_once_no_parallelized_model_remains():
-    """While a model is parallelized, xla_tp's effects are installed; after ``unparallelize`` of the last
+    """While a model is parallelized, xla_tp's few process-wide effects are installed, and torch's functions are
+    its own; after ``unparallelize`` of the last
     one (or once it is garbage-collected) every function is torch's own object again, the optimizer
     hooks and ``torch.xla`` are gone, and the model carries nothing of xla_tp."""
     out = json.loads(run_fresh(ORIGINALS, fast_compile=True).strip().splitlines()[-1])
-    everything = ["addmm", "at", "bridge", "embedding", "getitem", "histc", "layer_norm", "linear", "matmul", "mha",
-                  "nonzero", "optimizer_hooks", "sdpa", "tensor_histc", "tensor_matmul", "tensor_nonzero", "torch.xla",
-                  "where"]
+    # torch's functions (F.linear, torch.matmul, SDPA, x[i], embedding, layer_norm, MHA, where, ...) stay torch's
+    # own objects: the lowering is a mode around the modules that own a rewrite; what changes is what no module owns
+    everything = ["bridge", "histc", "optimizer_hooks", "tensor_histc", "torch.xla"]
     assert out["while_parallelized"] == everything
     assert out["one_left"] == everything
     assert out["none_left"] == [] and out["installed"] == []

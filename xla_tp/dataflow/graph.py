@@ -73,6 +73,7 @@ class Graph:
     params: dict[str, Value] = field(default_factory=dict)  # every name of a (tied) parameter
     inputs: list[Value] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
+    callers: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> the modules whose forward called it
     # what analyses derive from the trace alone, kept for the next question (``regions.explored``)
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

@@ -171,7 +171,7 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
         graph.inputs.append(v)
     recorder = _Recorder(graph, known, scope)
     with _own_hooks_only(model), _unchanged_conversions_skipped(model):
-        handles = _scope_hooks(model, fqns, scope)
+        handles = _scope_hooks(model, fqns, scope, graph.callers)
         try:
             with fake, batched_experts(model), contextlib.ExitStack() as stack:
                 for mode in (*modes, recorder):
@@ -265,9 +265,11 @@ def _unchanged_conversions_skipped(model: nn.Module) -> Iterator[None]:
             del module._apply
 
 
-def _scope_hooks(model: nn.Module, fqns: dict[int, str], scope: list[str]) -> list:
+def _scope_hooks(model: nn.Module, fqns: dict[int, str], scope: list[str], callers: dict[str, set[str]]) -> list:
     def enter(mod: nn.Module, args: Any) -> None:
-        scope.append(fqns.get(id(mod), scope[-1]))
+        fqn = fqns.get(id(mod), scope[-1])
+        callers.setdefault(fqn, set()).add(scope[-1])
+        scope.append(fqn)
 
     def leave(mod: nn.Module, args: Any, out: Any) -> None:
         scope.pop()

@@ -25,7 +25,7 @@ from ..dataflow.graph import Graph
 from ..dataflow.trace import trace
 from ..errors import PlanError
 from ..state import ModelState, layout_of, states_under
-from . import scope
+from . import owners, scope
 from .attention import use_flash_attention
 from .embedding import install_embedding, uninstall_embeddings
 from .groups import install_group, uninstall_groups
@@ -48,7 +48,7 @@ def install(root: nn.Module, state: ModelState, graph: Optional[Graph] = None, e
     """The rest, after ``enter`` and the constraints: the sites' hooks, ``root``'s last hook, and
     (``find_now``) its lowering found from ``graph`` (or a trace on a synthesised input), or at its
     first forward when it cannot be traced without its arguments."""
-    scope.install_sites(root, state, state.sites)
+    owners.install(root, state, {}, state.sites)
     scope.install_exit(root, state)
     if not find_now:
         return
@@ -80,8 +80,9 @@ def find_at_call(root: nn.Module, state: ModelState, args: tuple, kwargs: dict, 
     graph = traced(root) or _traced_call(root, args, kwargs)
     if graph is not None:
         find(root, state, graph, embeddings)
-    else:  # no column groups or tables; grouped experts come from the layout alone
+    else:  # no column groups or tables; grouped experts come from the layout alone; the mode around everything
         state.experts = install_experts(root, state, None, layout_of(root))
+        owners.install(root, state, owners.find_owners(root, None), state.sites)
     state.pending = False  # found, or not to be found: the plain program, one reduction per projection
 
 
@@ -110,7 +111,9 @@ def find(root: nn.Module, state: ModelState, graph: Graph, embeddings: bool = Tr
         install_group([modules[fqn] for fqn in members], state.tp)
     state.experts = install_experts(root, state, graph, layout)
     state.moe_options = state.moe_options or MoeOptions()
-    state.experts += install_sites(root, graph, layout, state.moe_options, state.mesh)
+    picking = install_sites(root, graph, layout, state.moe_options, state.mesh)
+    state.experts += picking
+    owners.install(root, state, owners.find_owners(root, graph, tuple(picking)), state.sites)
     state.groups, state.tables, state.pending = [tuple(g) for g in groups], [fqn for fqn, _, _ in tables], False
 
 
@@ -120,6 +123,7 @@ def uninstall(root: nn.Module) -> None:
     uninstall_embeddings(root)
     uninstall_experts(root)
     uninstall_sites(root)
+    owners.remove_within(root)
     for _, _, state in states_under(root):
         state.groups, state.tables, state.experts = [], [], []
 

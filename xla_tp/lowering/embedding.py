@@ -8,7 +8,7 @@ over nothing without one). ``VocabEmbedding`` writes the weight gradient as a sc
 the model axis: ``grad[t, id - t * rows] += dy`` for the ids in device ``t``'s rows, indexed by an
 iota over ``t``, into a gradient laid out ``[t, rows, hidden]`` split on ``t`` like the weight's rows,
 which the partitioner then keeps on device ``t``. ``install_embedding`` marks the table's weight
-(its ``ParamState.vocab``); ``F.embedding`` (``entry.embedding``) looks a marked table up this way
+(its ``ParamState.vocab``); ``F.embedding`` (``entry``'s handler) looks a marked table up this way
 inside a parallelized forward. Example::
 
     install_embedding(model.embed_tokens, tp=4, sharder=XlaSharder(mesh), spec=("model", None))

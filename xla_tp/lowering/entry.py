@@ -1,46 +1,50 @@
-"""The rewrites of torch's entry points inside a parallelized forward (and only there).
+"""The rewrites of torch functions in a parallelized forward: handlers of the lowering mode, owned by modules.
 
-Each function here takes the original and returns its replacement; ``compat`` installs them while
-a model is parallelized and puts the originals back after. A replacement acts only inside a
-parallelized model's forward or backward (``scope.lowering()``) and on what it concerns (XLA or
-torchax tensors, parameters xla_tp marked); anywhere else it calls the original untouched, at the
-cost of a Python call:
+``HANDLERS`` maps a torch function to its rewrite; ``mode.Lowering`` calls it for that function while it
+is entered, which is only around the modules that own a rewrite (``owners``: a module whose own forward
+calls one of its ops on what the rewrite concerns, found in the model's trace), and an ``nn.Linear`` or
+``nn.Embedding`` owner's lowered class calls ``linear`` or ``embedding.lookup`` itself. Outside, every torch
+function is torch's own. A handler acts
+only on what it concerns (XLA or torchax tensors, parameters xla_tp marked, inside a parallelized
+forward: ``scope.lowering()``) and returns ``NotImplemented`` for anything else (the function then runs
+as it is):
 
-- ``sdpa``, ``matmul``, ``mha``: attention with the head dimension visible to the compiler
-  (``attention``); ``layer_norm`` spelled out (torch_xla's gathers a batch split over data);
+- ``scaled_dot_product_attention``, 4-D ``matmul``, ``multi_head_attention_forward``: attention with the
+  head dimension visible to the compiler (``attention``); ``layer_norm`` spelled out (torch_xla's
+  gathers a batch split over data);
 - ``embedding``: a vocabulary-split table's per-device weight gradient (``embedding``, ``tied``);
-- ``linear``, ``addmm``: column groups with one input gradient (``groups``), tied LM heads
-  (``tied``), and re-laid packed projections' outputs tagged for the model's own slicing (``mode``);
-- ``histc``: XLA has no histogram of integers (routers and MoE auxiliary losses count expert choices
-  with it): comparisons of static shape (``slots.histogram``);
-- ``where``, ``nonzero``: an expert's tokens chosen by value (``torch.where(ids == e)``) in an MoE
-  module that loops over its experts: a static number of positions (``selection``);
+- ``linear``, ``addmm``, ``x @ w.T``: column groups with one input gradient (``groups``), tied LM heads
+  (``tied``), copied blocks (``copies``), and re-laid packed projections' outputs tagged for the model's
+  own slicing (``mode``);
+- ``where``, ``nonzero``: an expert's tokens chosen by value in an MoE module that loops over its
+  experts: a static number of positions (``selection``);
 - ``getitem``: torch_xla 2.9 raises ``Value out of range`` for a slice bound past a dimension
-  (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do), where the CPU
-  clamps: the replacement retries clamped;
-- ``keep_causal_mask``: transformers decides whether SDPA may drop its mask by reading tensors on
-  the host (``padding_mask.all()``, ``q_offset == 0``); on XLA each read executes the pending graph,
-  so a forward compiles as several programs: for XLA tensors the answer is "keep the mask", unread.
+  (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do in the attention
+  module), where the CPU clamps: retried clamped.
 
-Rewriting the few functions that need it, rather than intercepting every op, keeps the host's trace
-cost of a step near that of the same model without xla_tp. Example::
+Two rewrites stay process-wide effects (``compat``), each where no module owns the call: ``histc`` (XLA
+has no histogram of integers; routers' auxiliary losses count expert choices with it in the model's own
+forward or in the user's loss) and ``keep_causal_mask`` (transformers reads the mask on the host before
+any attention module runs). Example::
 
-    F.scaled_dot_product_attention = sdpa(F.scaled_dot_product_attention)   # what compat does
-    F.scaled_dot_product_attention(q, k, v)    # inside a parallelized forward: two einsums
+    with mode.active():                    # what an owner's hooks do around its forward
+        F.scaled_dot_product_attention(q, k, v)    # inside a parallelized forward: two einsums
 """
 from __future__ import annotations
 
 import functools
-import operator
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
+import torch.nn.functional as F
 
 from ..dataflow.indexing import indexed_dims
 from ..state import param_state
 from . import attention, copies, embedding as vocab, packed, scope, selection, slots, tied, transposed
-from .mode import active
+
+
+GETITEM = torch._C.TensorBase.__getitem__  # x[i], as a mode sees it
 
 
 def _is_xla(t: Any) -> bool:
@@ -80,18 +84,11 @@ def clamp_slices(index: Any, shape: tuple[int, ...]) -> Any:
     return tuple(out) if isinstance(index, tuple) else out[0]
 
 
-def _lowered(original: Callable[..., Any], lowered: Callable[..., Any],
-             when: Callable[[], bool] = scope.lowering) -> Callable[..., Any]:
-    """``original`` that calls ``lowered`` first inside a parallelized forward (``when``; NotImplemented:
-    declined)."""
-    @functools.wraps(original)
-    def replacement(*args: Any, **kwargs: Any) -> Any:
-        if when():
-            out = lowered(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return original(*args, **kwargs)
-    return replacement
+def _when_lowering(handler: Callable[..., Any]) -> Callable[..., Any]:
+    """``handler`` inside a parallelized forward (``scope.lowering()``); NotImplemented elsewhere."""
+    def lowered(*args: Any, **kwargs: Any) -> Any:
+        return handler(*args, **kwargs) if scope.lowering() else NotImplemented
+    return lowered
 
 
 def _sdpa(query: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -106,7 +103,10 @@ def _matmul(a: Any, b: Any = None, **kwargs: Any) -> Any:
         return attention.matmul_4d(a, b)
     weight = transposed.parameter_of(b)
     # ``x @ w.T`` (Falcon's ``FalconLinear``) is ``F.linear(x, w)``: the same groups, packings and copies
-    return torch.nn.functional.linear(a, weight) if weight is not None else NotImplemented
+    if weight is None:
+        return NotImplemented
+    out = linear(a, weight)
+    return F.linear(a, weight) if out is NotImplemented else out
 
 
 def _mha(*args: Any, **kwargs: Any) -> Any:
@@ -125,39 +125,13 @@ def _histc(x: Any, bins: int = 100, min: float = 0, max: float = 0, **kwargs: An
 
 
 def histc(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Inside a parallelized model, its unsharded reference (the audit's) included: it is not a layout."""
-    return _lowered(original, _histc, when=scope.inside)
-
-
-def where(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.where(mask)`` inside a selection site (an MoE module that loops over its experts):
-    static positions (``selection``)."""
-    return _lowered(original, selection.where)
-
-
-def nonzero(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``nonzero(as_tuple=True)``: as ``where``."""
-    return _lowered(original, selection.nonzero)
-
-
-def sdpa(original: Callable[..., Any]) -> Callable[..., Any]:
-    return _lowered(original, _sdpa)
-
-
-def matmul(original: Callable[..., Any]) -> Callable[..., Any]:
-    return _lowered(original, _matmul)
-
-
-def mha(original: Callable[..., Any]) -> Callable[..., Any]:
-    return _lowered(original, _mha)
-
-
-def layer_norm(original: Callable[..., Any]) -> Callable[..., Any]:
-    return _lowered(original, _layer_norm)
-
-
-def embedding(original: Callable[..., Any]) -> Callable[..., Any]:
-    return _lowered(original, vocab.lookup)
+    """``torch.histc`` (a ``compat`` effect): inside a parallelized model, its unsharded reference (the
+    audit's) included, XLA tensors counted by comparisons; anywhere else the original."""
+    @functools.wraps(original)
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        out = _histc(*args, **kwargs) if scope.inside() else NotImplemented
+        return original(*args, **kwargs) if out is NotImplemented else out
+    return counted
 
 
 def _projected(y: torch.Tensor, weight: torch.Tensor, out_dim: int) -> torch.Tensor:
@@ -169,55 +143,46 @@ def _projected(y: torch.Tensor, weight: torch.Tensor, out_dim: int) -> torch.Ten
     if packing is None or not packing.relays_output(out_dim):
         return y
     if scope.in_site():
-        return active().tag(y, packing)
+        return packed.tag(y, packing)  # the mode sees the tag on the handler's output
     warnings.warn("xla_tp: a re-laid packed projection is read outside the module that slices it; its "
                   "output is put back in the original order, which moves data between devices", stacklevel=3)
     return packed.unpermute(y, packing)
 
 
-def linear(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``F.linear``: column groups, tied heads and packed outputs of parallelized parameters."""
-    @functools.wraps(original)
-    def lowered_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        ps = param_state(weight)
-        if ps is None or not scope.lowering():
-            return original(x, weight, bias)
-        out = ps.group.output(x, weight, bias) if ps.group is not None else None
-        if out is None and ps.tie is not None:
-            out = tied.head(x, weight, bias)
-        if out is None:  # copied blocks' copies get the sum of their gradients
-            out = original(x, copies.summed(weight, ps.packing), copies.summed(bias, packed.packing_of(bias)))
-        return _projected(out, weight, 0)
-    return lowered_linear
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Any:
+    """``F.linear`` of a parallelized parameter: column groups, tied heads, copies and packed outputs."""
+    ps = param_state(weight)
+    if ps is None or not scope.lowering():
+        return NotImplemented
+    out = ps.group.output(x, weight, bias) if ps.group is not None else None
+    if out is None and ps.tie is not None:
+        out = tied.head(x, weight, bias)
+    if out is None:  # copied blocks' copies get the sum of their gradients
+        out = F.linear(x, copies.summed(weight, ps.packing), copies.summed(bias, packed.packing_of(bias)))
+    return _projected(out, weight, 0)
 
 
-def addmm(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``torch.addmm(bias, x, weight)`` (HF ``Conv1D``): packed outputs of parallelized parameters."""
-    @functools.wraps(original)
-    def lowered_addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if param_state(mat2) is None or "out" in kwargs or not scope.lowering():
-            return original(input, mat1, mat2, *args, **kwargs)
-        summed = copies.summed(input, packed.packing_of(input)), copies.summed(mat2, packed.packing_of(mat2))
-        return _projected(original(summed[0], mat1, summed[1], *args, **kwargs), mat2, 1)
-    return lowered_addmm
+def _addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    """``torch.addmm(bias, x, weight)`` (HF ``Conv1D``) of a parallelized parameter: packed outputs."""
+    if param_state(mat2) is None or "out" in kwargs or not scope.lowering():
+        return NotImplemented
+    summed = copies.summed(input, packed.packing_of(input)), copies.summed(mat2, packed.packing_of(mat2))
+    return _projected(torch.addmm(summed[0], mat1, summed[1], *args, **kwargs), mat2, 1)
 
 
-def getitem(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``Tensor.__getitem__``, retried with clamped slice bounds where torch_xla refuses them."""
-    @functools.wraps(original)
-    def lowered_getitem(self: torch.Tensor, index: Any) -> Any:
-        if torch.compiler.is_compiling():  # dynamo records ``x[index]`` itself (and cannot call the builtin)
-            return operator.getitem(self, index)
-        try:
-            return original(self, index)
-        except RuntimeError as error:
-            if not (scope.inside() and _is_xla(self) and "out of range" in str(error)):
-                raise
-            fixed = clamp_slices(index, tuple(self.shape))
-            if fixed is None:
-                raise
-            return original(self, fixed)
-    return lowered_getitem
+def _getitem(self: torch.Tensor, index: Any) -> Any:
+    """``x[index]``, retried with clamped slice bounds where torch_xla refuses them."""
+    if torch.compiler.is_compiling():  # dynamo records ``x[index]`` itself (and cannot call the builtin)
+        return NotImplemented
+    try:
+        return GETITEM(self, index)
+    except RuntimeError as error:
+        if not (scope.inside() and _is_xla(self) and "out of range" in str(error)):
+            raise
+        fixed = clamp_slices(index, tuple(self.shape))
+        if fixed is None:
+            raise
+        return GETITEM(self, fixed)
 
 
 def keep_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -229,3 +194,21 @@ def keep_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
             return False
         return original(padding_mask, q_length, kv_length, q_offset, *args, **kwargs)
     return unread
+
+
+_MATMUL = _when_lowering(_matmul)
+HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
+    F.scaled_dot_product_attention: _when_lowering(_sdpa),
+    torch.matmul: _MATMUL, torch.Tensor.matmul: _MATMUL, torch.Tensor.__matmul__: _MATMUL,
+    F.multi_head_attention_forward: _when_lowering(_mha),
+    F.layer_norm: _when_lowering(_layer_norm),
+    F.embedding: _when_lowering(vocab.lookup),
+    F.linear: linear, torch.addmm: _addmm,
+    torch.where: _when_lowering(selection.where),
+    torch.nonzero: _when_lowering(selection.nonzero), torch.Tensor.nonzero: _when_lowering(selection.nonzero),
+    GETITEM: _getitem,
+}
+# the trace's names of the calls a module owns a rewrite for (``owners``)
+ATTENTION_OPS = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward", "layer_norm", "where",
+                           "nonzero"})
+WEIGHT_OPS = frozenset({"linear", "addmm", "matmul", "embedding"})

@@ -8,7 +8,7 @@ members' split rows laid side by side device-major (each device's rows of q, k a
 other, so nothing moves): one partial sum, one all-reduce. Weight gradients are per member, as before.
 
 A group is found by its members' weights: ``F.linear(x, W, b)`` inside a parallelized forward
-(``entry.linear``) with ``W`` a member's weight asks the group, whose first member called with some
+(``entry``'s ``F.linear`` handler, in the member that owns it) with ``W`` a member's weight asks the group, whose first member called with some
 ``x`` computes every member for that ``x``; a member called with the same ``x`` object gets its
 cached output; a member called with another ``x`` computes alone (a speculative output nobody reads
 is dead code the compiler drops). Subclasses that add to ``F.linear`` (LoRA) keep their additions.

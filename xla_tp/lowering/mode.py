@@ -1,8 +1,11 @@
-"""The packed-output mode: re-laid packed projections read in place where the model slices them.
+"""The lowering mode: the one way xla_tp sees torch functions inside a parallelized forward.
 
-A ``TorchFunctionMode`` entered around the modules that slice a packed projection's output, merge
-heads with the batch before a ``bmm`` (``bmm``: kept 4-D) or embed patches (``patchify``: an einsum),
-their ``scope`` sites; it also reads a copied block's copies (``copies``). A projection whose weight was re-laid device-major (``packed``) has its output
+A ``TorchFunctionMode`` entered only around the modules (or transformers attention functions) that own a
+rewrite (``owners``): there it calls
+``entry``'s handlers (attention with visible heads, column groups, vocabulary tables, ...). Around the
+modules that slice a packed projection's output, merge heads with the batch before a ``bmm`` (``bmm``:
+kept 4-D) or embed patches (``patchify``: an einsum), the ``sites``, it also reads a copied block's
+copies (``copies``) and the packed outputs. A projection whose weight was re-laid device-major (``packed``) has its output
 tagged (by ``entry``'s ``linear``/``addmm``); the model's own ``split``/``chunk``/slicing of it then
 gets each block read in place
 (``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
@@ -22,21 +25,12 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from . import bmm, copies, packed, patchify, transposed
+from .entry import GETITEM, HANDLERS as OWNED
 
-_state = threading.local()
-GETITEM = torch._C.TensorBase.__getitem__  # x[i]; the mode may see entry's replacement of it instead
-
-
-def same_function(func: Callable, target: Callable) -> bool:
-    """``func`` is ``target``, one of them being the other wrapped by a compat effect (a mode sees the
-    original where the model called our replacement, and the replacement where it is a method).
-    ``same_function(torch.addmm, original_addmm)`` holds while the ``addmm`` effect is installed."""
-    return (func is target or getattr(func, "__wrapped__", None) is target
-            or getattr(target, "__wrapped__", None) is func)
 
 
 def _is_getitem(func: Callable) -> bool:
-    return same_function(func, GETITEM)
+    return func is GETITEM
 
 
 class Lowering(TorchFunctionMode):
@@ -46,17 +40,24 @@ class Lowering(TorchFunctionMode):
         super().__init__()
         self.tagged = False  # some output in this forward carries a packing (packed.tag_of)
         self.warned: set[str] = set()
+        self.table = OWNED  # the handlers acting now: the owners', with the sites' inside a site (``sites``)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.tagged and any(packed.tag_of(a) is not None for a in args):
             return self._on_tagged(func, args, kwargs)
-        handler = _HANDLERS.get(GETITEM if _is_getitem(func) else func)
+        handler = self.table.get(func)
         if handler is not None:
             out = handler(*args, **kwargs)
             if out is not NotImplemented:
+                if isinstance(out, torch.Tensor) and packed.tag_of(out) is not None:
+                    self.tagged = True  # a packed projection's output, tagged by entry for the slicing
                 return out
         return func(*args, **kwargs)
+
+    def sites(self, inside: bool) -> None:
+        """The sites' handlers act too (``inside`` a module that slices a packed projection), or no longer."""
+        self.table = IN_SITE if inside else OWNED
 
     def tag(self, out: torch.Tensor, packing: packed.Packing) -> torch.Tensor:
         self.tagged = True
@@ -201,16 +202,24 @@ def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
     return {func: first(handlers) for func, handlers in funcs.items()}
 
 
-_HANDLERS = _first(copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS)
+IN_SITE = _first(OWNED, copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _KEEPS_LAST = {torch.Tensor.unsqueeze, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
                torch.Tensor.detach}
 
 
+class _ThreadMode(threading.local):
+    """Each thread's mode, made with the thread's state (``torch.compile`` guards on what it reads: an attribute
+    created at the first call would recompile the compiled model at the next one)."""
+
+    def __init__(self) -> None:
+        self.mode = Lowering()
+
+
+_state = _ThreadMode()
+
+
 def active() -> Lowering:
     """This thread's lowering mode (one instance, entered once however deep the nesting)."""
-    mode = getattr(_state, "mode", None)
-    if mode is None:
-        mode = _state.mode = Lowering()
-    return mode
+    return _state.mode

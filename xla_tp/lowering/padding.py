@@ -23,16 +23,20 @@ from ..dataflow.trace import trace
 from ..errors import PlanError
 from ..state import ensure_param_state
 from . import packed
-from .mode import Lowering, same_function
+from .mode import Lowering
 
 
 class Relaid(Lowering):
     """The packed-output mode with the projections' outputs tagged as ``entry`` tags them in a parallelized
     forward (a trace is none)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.sites(True)  # the whole trace is one site
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        linear, addmm = same_function(func, F.linear), same_function(func, torch.addmm)
+        linear, addmm = func is F.linear, func is torch.addmm
         if linear or addmm:
             weight = args[1] if linear else args[2]
             packing = packed.packing_of(weight)

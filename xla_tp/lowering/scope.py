@@ -9,8 +9,7 @@ when it ends, the per-forward state (tagged packed outputs, cached group outputs
 outputs' autograd nodes mark the backward that reaches them, so the lowering acts in that backward too (activation checkpointing recomputes a
 block's forward there, outside any root's hooks, and must record what the original forward
 recorded). ``first(root, args, kwargs)`` runs at a forward of ``root`` while its lowering is pending.
-``install_sites`` enters the packed-output mode around the modules that slice a re-laid packed
-projection (the mode costs a Python call on every torch op it sees, so it sees only theirs).
+The lowering mode itself is entered around the modules that own a rewrite (``owners``), counted here.
 
 ``depth()`` says whether this thread is inside a parallelized forward; ``lowering()`` whether the
 rewrites of ``entry`` act now. Example::
@@ -30,7 +29,6 @@ from torch import nn
 from ..errors import PlanError
 from ..inference import leave_inference, return_to_inference
 from ..state import ModelState
-from .mode import active
 
 
 class _ThreadState(threading.local):
@@ -38,7 +36,7 @@ class _ThreadState(threading.local):
     one created lazily would recompile the compiled model at the next call)."""
 
     def __init__(self) -> None:
-        self.depth, self.sites, self.current, self.inference = 0, 0, None, None
+        self.depth, self.sites, self.entered, self.current, self.inference = 0, 0, 0, None, None
         self.exits: list[Callable[[], None]] = []
 
 
@@ -89,8 +87,26 @@ def current() -> Optional[ModelState]:
 
 
 def in_site() -> bool:
-    """Whether the packed-output mode is entered (inside a module that slices a packed projection)."""
+    """Whether this thread is inside a module that slices a packed projection (a site of ``owners``)."""
     return _state.sites > 0
+
+
+def enter_mode(site: bool) -> bool:
+    """Count one more module around which the lowering mode is entered (``site``: a packed-output site);
+    True for the first, which enters it (``owners``)."""
+    _state.entered, _state.sites = _state.entered + 1, _state.sites + site
+    return _state.entered == 1
+
+
+def mode_entered() -> bool:
+    """Whether the lowering mode is entered in this thread (around some owner's forward)."""
+    return _state.entered > 0
+
+
+def leave_mode(site: bool) -> bool:
+    """Count one module less; True for the last, which leaves the mode."""
+    _state.entered, _state.sites = _state.entered - 1, _state.sites - site
+    return _state.entered == 0
 
 
 def on_exit(callback: Callable[[], None]) -> None:
@@ -187,25 +203,3 @@ def install_exit(root: nn.Module, state: ModelState) -> None:
 @torch.compiler.disable  # under torch.compile: run as is, between two compiled graphs (the first step only)
 def _first(first: Callable, module: nn.Module, state: ModelState, args: tuple, kwargs: dict) -> None:
     first(module, state, args, kwargs)
-
-
-def _enter_site(module: nn.Module, args: Any) -> None:
-    if _state.sites == 0:
-        active().__enter__()
-    _state.sites = _state.sites + 1
-
-
-def _leave_site(module: nn.Module, args: Any, output: Any) -> None:
-    _state.sites -= 1
-    if _state.sites == 0:
-        mode = active()
-        mode.tagged = False
-        mode.__exit__(None, None, None)
-
-
-def install_sites(root: nn.Module, state: ModelState, sites: set[str]) -> None:
-    """Enter the packed-output mode around each of ``sites`` (module FQNs under ``root``)."""
-    for fqn in sorted(sites):
-        module = root.get_submodule(fqn) if fqn else root
-        state.handles += [module.register_forward_pre_hook(_enter_site),
-                          module.register_forward_hook(_leave_site, always_call=True)]

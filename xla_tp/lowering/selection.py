@@ -3,8 +3,8 @@
 ``install_sites(root, graph, ...)`` finds, in the planner's trace of ``root``, each module that calls
 ``torch.where(mask)`` (or ``nonzero(as_tuple=True)``) and reads the positions only to index,
 ``index_add`` or ``index_select`` (the trace takes each such call at a static size, ``dataflow.trace``),
-and hooks its forward: inside it, ``where``/``nonzero`` (installed for ``torch.where`` and
-``torch.nonzero`` by ``compat``) return ``selected.select``'s static positions, one group per batch
+and hooks its forward: inside it, ``where``/``nonzero`` (``entry``'s handlers of ``torch.where`` and
+``torch.nonzero``, the module owning them: ``owners``) return ``selected.select``'s static positions, one group per batch
 shard. A loop over only the experts some token chose (``for e in hit.nonzero():``) gets every expert
 (``dataflow.positions``). A module whose positions are read otherwise (``token.sort()``,
 ``hit.flip(0)``) is left data-dependent, with a warning. Each site shares its model's ``MoeOptions``

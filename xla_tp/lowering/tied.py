@@ -9,7 +9,7 @@ dimension. The head contracts each replica's tokens with its own copy, and the e
 is scattered per replica (``embedding.VocabEmbedding``). Neither gradient contracts over the replicas,
 so neither is reduced. Autograd adds the two before the stack's backward sums over ``r``: one
 reduction. The stack is made once per outermost forward. The head's ``F.linear`` on the table's
-weight reads it (``entry.linear``). Example::
+weight reads it (``entry``'s ``F.linear`` handler). Example::
 
     install_tie(model.wte, axes=("data",), replicas=2)
     loss = F.cross_entropy(model.lm_head(model.wte(ids)).flatten(0, 1), labels.flatten())

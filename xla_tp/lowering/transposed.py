@@ -5,7 +5,7 @@ Some models write their projections as a matmul with the transposed weight (Falc
 parallelized forward the lowering must see it so too (its column groups, a packed weight's device-major
 output, multi-query copies), or a re-laid packed output reaches the model in the wrong order. The
 transpose of a parallelized 2-D parameter (``w.T``, ``w.t()``, ``w.transpose(0, 1)``) is marked with
-its parameter; ``entry.matmul`` hands ``x @ marked`` to ``F.linear``. Example::
+its parameter; ``entry``'s matmul handler hands ``x @ marked`` to its ``F.linear`` handler. Example::
 
     y = x @ lin.weight.T          # inside a parallelized forward: F.linear(x, lin.weight), lowered
 """
