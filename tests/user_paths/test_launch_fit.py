@@ -2,7 +2,6 @@
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -115,16 +114,14 @@ def test_70b_on_v5e_8_is_refused_with_numbers(capsys):
 
 @pytest.mark.complete
 def test_70b_dry_run_on_v5p_64_stays_on_meta(tmp_path):
+    """Planned, fitted and audited on meta: nothing of the 131 GiB is allocated (the child's own peak memory)."""
     log = tmp_path / "out.txt"
-    start = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "xla_tp.cli", "launch", "llama3-70b", "--dry-run"], cwd=ROOT,
                                 env=user_env(), stdout=out, stderr=subprocess.STDOUT)
         _, status, usage = os.wait4(proc.pid, 0)       # this child's own peak memory, nobody else's
-    seconds = time.perf_counter() - start
     out = log.read_text()
     assert os.waitstatus_to_exitcode(status) == 0, out
-    assert seconds < 60
     assert "v5p-64 (32 chips, 8 host(s)), mesh fsdp=8,model=4" in out
     assert "70,553.7 M parameters on meta" in out and "=> fits" in out
     assert "ratio 1.000" in out                       # every parameter split over all 32 chips
