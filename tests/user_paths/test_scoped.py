@@ -46,10 +46,23 @@ def run(device, compiled):
         torch_xla.sync()
     return digest(y, *[p.grad for p in block.parameters()])
 
+def hf_moe():
+    """A transformers MoE model on the CPU (its attention and experts come from transformers' registries, its
+    auxiliary loss counts with histc): logits, loss and every gradient."""
+    import transformers
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=64, output_router_logits=True))
+    ids = torch.randint(0, 64, (2, 16))
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    return digest(out.logits, out.loss, out.aux_loss, *[p.grad for p in model.parameters() if p.grad is not None])
+
 def unrelated():
     xla = torch_xla.device()
     return {"cpu": run("cpu", False), "cpu_compiled": run("cpu", True),
-            "xla": run(xla, False), "xla_compiled": run(xla, True)}
+            "xla": run(xla, False), "xla_compiled": run(xla, True), "cpu_moe": hf_moe()}
 '''
 
 NEVER_IMPORTED = UNRELATED + '''
@@ -60,6 +73,7 @@ print(json.dumps(unrelated()))
 '''
 
 BESIDE_A_PARALLELIZED_MODEL = UNRELATED + '''
+import transformers  # loaded first: the effects on its registries are installed with the others
 import xla_tp
 from xla_tp import compat
 mesh = xla_tp.make_mesh(data=2, model=4)
@@ -67,15 +81,15 @@ mlp = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Lin
 model = xla_tp.parallelize_xla(mlp, "auto", mesh=mesh)
 model(torch.randn(4, 8, 32).to(torch_xla.device())).sum().backward()
 torch_xla.sync()
-assert "histc" in compat.installed() and "dynamo_bridge" in compat.installed()
+assert {"histc", "dynamo_bridge", "attention_interface", "experts_interface"} <= set(compat.installed())
 print(json.dumps(unrelated()))
 '''
 
 
 def test_unrelated_models_compute_what_they_compute_without_xla_tp():
     """CPU and XLA, eager (CPU with torch.utils.checkpoint) and torch.compile: SDPA, 4-D matmul, LayerNorm,
-    an embedding and a slice, after another model was parallelized (its effects
-    installed), bit for bit as in a process that never imported xla_tp."""
+    an embedding and a slice, and a transformers MoE model on the CPU (its auxiliary loss included), after another
+    model was parallelized (its effects installed), bit for bit as in a process that never imported xla_tp."""
     alone = json.loads(run_fresh(NEVER_IMPORTED, fast_compile=True).strip().splitlines()[-1])
     beside = json.loads(run_fresh(BESIDE_A_PARALLELIZED_MODEL, fast_compile=True).strip().splitlines()[-1])
     assert beside == alone
