@@ -89,9 +89,9 @@ def main(argv=None) -> int:
     from .render import CHART, render
     from .overhead import trace_overhead
     overhead = trace_overhead()
-    print("trace overhead (median of the same run):", json.dumps(overhead["ratios"]), flush=True)
+    print("trace overhead (paired medians of the same run):", json.dumps(overhead["ratios"]), flush=True)
     extra = {"e_xla_auto_sharding": summary(rows), JAX_ROUTE: JAX_NOTE,
-             f"trace overhead ({overhead['model']}, median of {overhead['traces']} interleaved)":
+             f"trace overhead ({overhead['model']}, paired median of {overhead['traces']} interleaved rounds, process CPU time)":
                  json.dumps(overhead["ratios"])}
     if not args.quick:  # a 70B-shaped model traced on meta: seconds, not a smoke run's business
         extra["planning, Llama-3-70B shape on meta"] = json.dumps(planning_times())

@@ -1,10 +1,11 @@
 """Host trace overhead of xla_tp against the same sharding written by hand, on an 8-layer HF Llama (2x4).
 
-Five models, traced interleaved (forward + backward, thread CPU time, ``TRACES`` rounds after a
-warm-up, nothing executed): no tensor parallelism; torch's Colwise/Rowwise plan by xla_tp and by
-hand (one ``xs.mark_sharding`` per weight); torchtitan's sequence-parallel plan by xla_tp and by
-hand (the same parameter specs, plus the plan's activation layouts written as ``xs.mark_sharding``
-in forward hooks). The ratios are medians of the same run. Example::
+Five models, traced interleaved (forward + backward, process CPU time, ``TRACES`` rounds after a
+warm-up, nothing executed, the order reversed every other round): no tensor parallelism; torch's
+Colwise/Rowwise plan by xla_tp and by hand (one ``xs.mark_sharding`` per weight); torchtitan's
+sequence-parallel plan by xla_tp and by hand (the same parameter specs, plus the plan's activation
+layouts written as ``xs.mark_sharding`` in forward hooks). A ratio is the median over the rounds of
+the two routes' ratio in that round (paired: a slow moment of the machine slows both). Example::
 
     ratios = trace_overhead()["ratios"]      # {"xla_tp / hand (torch plan)": 1.04, ...}
 """
@@ -26,7 +27,7 @@ from xla_tp import ColwiseParallel, PrepareModuleInput, RowwiseParallel, Sequenc
 from .plans import hand_apply
 from .timing import WARMUP, stats, trace_once
 
-TRACES = 11
+TRACES = 41
 COLUMN, ROW = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
 
 
@@ -84,7 +85,7 @@ def _llama() -> torch.nn.Module:
 
 
 def trace_overhead(traces: int = TRACES) -> dict[str, Any]:
-    """Trace-time stats per route (seconds) and the ratios of medians, from one interleaved run."""
+    """Trace-time stats per route (seconds) and the paired ratios (see the module), from one interleaved run."""
     mesh = xla_tp.make_mesh(data=2, model=4)
     base, device = _llama(), torch_xla.device()
     routes = {
@@ -101,14 +102,17 @@ def trace_overhead(traces: int = TRACES) -> dict[str, Any]:
     for _ in range(WARMUP):
         for m in models.values():
             trace_once(m, ids, backward=True)
-    for _ in range(traces):
-        for name, m in models.items():
-            samples[name].append(trace_once(m, ids, backward=True))
-    med = {name: statistics.median(s) for name, s in samples.items()}
-    ratios = {"xla_tp / hand (torch plan)": med["xla_tp (torch plan)"] / med["hand (torch plan)"],
-              "xla_tp / hand (SP plan)": med["xla_tp (SP plan)"] / med["hand (SP plan)"],
-              "xla_tp (SP plan) / none": med["xla_tp (SP plan)"] / med["none"],
-              "hand (SP plan) / none": med["hand (SP plan)"] / med["none"]}
+    for round_ in range(traces):
+        for name in (list(models) if round_ % 2 else reversed(list(models))):
+            samples[name].append(trace_once(models[name], ids, backward=True))
+
+    def paired(a: str, b: str) -> float:
+        return round(statistics.median(x / y for x, y in zip(samples[a], samples[b])), 3)
+
+    ratios = {"xla_tp / hand (torch plan)": paired("xla_tp (torch plan)", "hand (torch plan)"),
+              "xla_tp / hand (SP plan)": paired("xla_tp (SP plan)", "hand (SP plan)"),
+              "xla_tp (SP plan) / none": paired("xla_tp (SP plan)", "none"),
+              "hand (SP plan) / none": paired("hand (SP plan)", "none")}
     return {"model": "HF Llama, 8 layers, hidden 128, batch 8 x 32, mesh 2x4, forward+backward",
             "traces": traces, "seconds": {name: stats(s) for name, s in samples.items()},
-            "ratios": {k: round(v, 3) for k, v in ratios.items()}}
+            "ratios": ratios}

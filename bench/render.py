@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Any
 
 from .chart import chart
+from .timing import TRACES, WARMUP
 
 CHART = "routes.png"
 COLUMNS = ("comm_ratio", "all_gathers", "compute_balance", "param_memory_ratio", "comm_ratio_bwd", "all_gathers_bwd",
@@ -67,7 +68,7 @@ def markdown(rows: list[dict], extra: dict[str, Any]) -> str:
             cells = [r.get("status", "?")] + [""] * (len(COLUMNS) - 1)
         lines.append("| " + " | ".join([f"{r['family']}-{r['width']}", r["mesh"], r["route"], *cells]) + " |")
     lines += ["", "comm_ratio `inf` = communication where the plan implies none; `n/a` = not measured. "
-              "Trace times: thread CPU ms of one traced program, median (min-max) of 9 after 2 warm-up traces.", ""]
+              f"Trace times: process CPU ms of one traced program, median (min-max) of {TRACES} after {WARMUP} warm-up traces.", ""]
     stepped = [r for r in rows if r.get("steps")]
     if stepped:
         lines += ["## Training steps (forward, backward, SGD): steady-state ms per step, median (min-max) of 5 "

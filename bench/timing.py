@@ -1,8 +1,9 @@
 """Host trace time and steady-state training steps of one model, measured the same way for every route.
 
-- ``trace_stats``: CPU time of the tracing thread for one forward (or forward+backward), nothing
-  executed: the median, min and max of ``TRACES`` traces after ``WARMUP``. Thread CPU time, so other
-  processes on the machine do not count.
+- ``trace_stats``: the process's CPU time to trace one forward (or forward+backward), nothing
+  executed: the median, min and max of ``TRACES`` traces after ``WARMUP``. Process CPU time: autograd
+  traces an XLA backward on its own device thread, which a thread clock misses; other processes on the
+  machine do not count.
 - ``step_stats``: a training step (forward, backward, SGD) run for real on each execution route:
   ``eager`` (lazy tracing, ``torch_xla.sync()``), ``torch_xla.compile`` and ``dynamo``
   (``torch.compile(model, backend="openxla")``). Per route: the median wall time of ``STEPS`` steps
@@ -37,13 +38,13 @@ def stats(samples: list[float]) -> dict[str, float]:
 
 
 def trace_once(model: torch.nn.Module, batch: torch.Tensor, backward: bool) -> float:
-    """Thread CPU seconds to trace one forward (+ backward) of ``model``; the graph is dropped, not run."""
+    """Process CPU seconds to trace one forward (+ backward) of ``model``; the graph is dropped, not run."""
     params = [p for p in model.parameters() if p.requires_grad]
-    start = time.thread_time()
+    start = time.process_time()
     out = registry.run(model, batch).float().mean()
     if backward:
         torch.autograd.grad(out, params, allow_unused=True)
-    return time.thread_time() - start
+    return time.process_time() - start
 
 
 def trace_stats(model: torch.nn.Module, batch: torch.Tensor, backward: bool,

@@ -134,12 +134,11 @@ def histc(original: Callable[..., Any]) -> Callable[..., Any]:
     return counted
 
 
-def _projected(y: torch.Tensor, weight: torch.Tensor, out_dim: int) -> torch.Tensor:
+def _projected(y: torch.Tensor, packing: Optional[packed.Packing], out_dim: int) -> torch.Tensor:
     """A projection's output; a re-laid packed one's tagged for the packed-output mode, or (outside
     the modules that slice it, where nothing would read the tag) put back in the original order. A
     weight re-laid along the features it contracts (a row projection's zero inputs), or padded in one
-    block at its end, gives an output in its plain order: no tag."""
-    packing = packed.packing_of(weight)
+    block at its end, gives an output in its plain order: no tag. ``packing``: the weight's."""
     if packing is None or not packing.relays_output(out_dim):
         return y
     if scope.in_site():
@@ -159,15 +158,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
         out = tied.head(x, weight, bias)
     if out is None:  # copied blocks' copies get the sum of their gradients
         out = F.linear(x, copies.summed(weight, ps.packing), copies.summed(bias, packed.packing_of(bias)))
-    return _projected(out, weight, 0)
+    return _projected(out, ps.packing, 0)
 
 
 def _addmm(input: torch.Tensor, mat1: torch.Tensor, mat2: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
     """``torch.addmm(bias, x, weight)`` (HF ``Conv1D``) of a parallelized parameter: packed outputs."""
-    if param_state(mat2) is None or "out" in kwargs or not scope.lowering():
+    ps = param_state(mat2)
+    if ps is None or "out" in kwargs or not scope.lowering():
         return NotImplemented
-    summed = copies.summed(input, packed.packing_of(input)), copies.summed(mat2, packed.packing_of(mat2))
-    return _projected(torch.addmm(summed[0], mat1, summed[1], *args, **kwargs), mat2, 1)
+    summed = copies.summed(input, packed.packing_of(input)), copies.summed(mat2, ps.packing)
+    return _projected(torch.addmm(summed[0], mat1, summed[1], *args, **kwargs), ps.packing, 1)
 
 
 def _getitem(self: torch.Tensor, index: Any) -> Any:

@@ -45,15 +45,17 @@ class GroupedLinear(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         live = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
         dx = None
-        if live and ctx.needs_input_grad[1]:
-            rows = torch.cat([dy.unflatten(-1, (ctx.tp, -1)) for dy, _ in live], dim=-1)   # [..., tp, S]
-            mats = torch.cat([w.unflatten(0, (ctx.tp, -1)) for _, w in live], dim=1)       # [tp, S, in]
-            dx = torch.einsum("...ts,tsi->...i", rows, mats)
+        if live and ctx.needs_input_grad[1]:  # [..., tp * S] @ [tp * S, in]: each device's rows of every member
+            rows = torch.cat([dy.unflatten(-1, (ctx.tp, -1)) for dy, _ in live], dim=-1).flatten(-2)
+            mats = torch.cat([w.unflatten(0, (ctx.tp, -1)) for _, w in live], dim=1).flatten(0, 1)
+            dx = torch.matmul(rows, mats)
+        x2 = x.flatten(0, -2)
         grads: list[Optional[torch.Tensor]] = []
         for i, (dy, biased) in enumerate(zip(dys, ctx.biased)):
             wants_w, wants_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
-            grads.append(torch.einsum("...o,...i->oi", dy, x) if dy is not None and wants_w else None)
-            grads.append(dy.flatten(0, -2).sum(0) if dy is not None and biased and wants_b else None)
+            dy2 = dy.flatten(0, -2) if dy is not None else None
+            grads.append(dy2.t().mm(x2) if dy2 is not None and wants_w else None)
+            grads.append(dy2.sum(0) if dy2 is not None and biased and wants_b else None)
         return (None, dx, *grads)
 
 
@@ -64,7 +66,7 @@ class ColumnGroup:
         self.members = [weakref.ref(m) for m in members]
         self.tp = tp
         self._x: Optional[torch.Tensor] = None
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[Any, ...]] = {}  # id(weight) -> (weight, bias, output)
 
     def output(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """The output of the member whose weight (and bias) these are, for ``x``; None when no member
@@ -72,20 +74,20 @@ class ColumnGroup:
         gradient will be taken on XLA (the grouping is for the backward; JAX differentiates the forward)."""
         if x.device.type not in ("xla", "jax") or (x.device.type == "xla" and not torch.is_grad_enabled()):
             return None  # without a backward (inference, generation) each member is its own F.linear
-        mods = [m() for m in self.members]
-        member = next((m for m in mods if m is not None and m.weight is weight and m.bias is bias), None)
-        if member is None or any(m is None for m in mods):
-            return None
         if self._x is not x:
+            mods = [m() for m in self.members]
+            if any(m is None for m in mods) or not any(m.weight is weight and m.bias is bias for m in mods):
+                return None
             self._compute(x, mods)
-        return self._outputs.pop(id(member), None)
+        hit = self._outputs.pop(id(weight), None)
+        return hit[2] if hit is not None and hit[0] is weight and hit[1] is bias else None
 
     def _compute(self, x: torch.Tensor, mods: list[nn.Linear]) -> None:
         if x.device.type == "xla":
             outputs = GroupedLinear.apply(self.tp, x, *[t for m in mods for t in (m.weight, m.bias)])
         else:  # torchax: JAX differentiates the forward, so the forward itself is one contraction
             outputs = stacked_linear(self.tp, x, [m.weight for m in mods], [m.bias for m in mods])
-        self._x, self._outputs = x, {id(m): y for m, y in zip(mods, outputs)}
+        self._x, self._outputs = x, {id(m.weight): (m.weight, m.bias, y) for m, y in zip(mods, outputs)}
         scope.on_exit(self.clear)  # the outputs are held until the outermost parallelized forward ends
 
     def clear(self) -> None:
