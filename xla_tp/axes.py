@@ -1,9 +1,11 @@
 """Mesh axes, and the one table that says which mesh axes each logical axis is split over.
 
-A mesh has up to four axes, in this order: ``data`` (batch replicas), ``fsdp`` (batch and parameter
-shards), ``expert`` (batch shards that also split the experts of mixture-of-experts layers: tokens
-reach their experts by all-to-all; only in meshes that ask for it) and ``model`` (tensor parallel);
-aliases ``tp``/``tensor`` -> ``model``, ``dp`` -> ``data``, ``ep`` -> ``expert``.
+A mesh has up to five axes, in this order: ``data`` (batch replicas), ``fsdp`` (batch and parameter
+shards), ``context`` (sequence shards: context parallelism, attention gathers keys and values over
+it; only in meshes that ask for it), ``expert`` (batch shards that also split the experts of
+mixture-of-experts layers: tokens reach their experts by all-to-all; only in meshes that ask for it)
+and ``model`` (tensor parallel); aliases ``tp``/``tensor`` -> ``model``, ``dp`` -> ``data``,
+``cp`` -> ``context``, ``ep`` -> ``expert``.
 Everything that places a tensor says what each of its dimensions *is* (a logical axis) and reads
 ``LOGICAL_AXES`` for where that goes, in the spirit of MaxText's logical axis rules: the planners'
 parameter roles, the activations' batch and sequence dimensions, FSDP's parameter shards, the batch
@@ -19,15 +21,16 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-DATA, FSDP, EXPERT, MODEL = "data", "fsdp", "expert", "model"
-AXIS_ORDER = (DATA, FSDP, EXPERT, MODEL)
-OPTIONAL_AXES = (EXPERT,)  # in a mesh only when asked for (a mesh always has the others, of size 1 or more)
-AXIS_ALIASES = {"tp": MODEL, "tensor": MODEL, "dp": DATA, "ep": EXPERT}
+DATA, FSDP, CONTEXT, EXPERT, MODEL = "data", "fsdp", "context", "expert", "model"
+AXIS_ORDER = (DATA, FSDP, CONTEXT, EXPERT, MODEL)
+OPTIONAL_AXES = (CONTEXT, EXPERT)  # in a mesh only when asked for (a mesh always has the others, of size 1 or more)
+AXIS_ALIASES = {"tp": MODEL, "tensor": MODEL, "dp": DATA, "cp": CONTEXT, "ep": EXPERT}
 TP = "tp"  # in the table and in styles: the tensor-parallel axis of the call
 
 LOGICAL_AXES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("batch", (DATA, FSDP, EXPERT)),  # an activation's batch dimension, over every batch axis the mesh has
-    ("sequence", ()),  # whole, unless a plan asks for sequence parallelism (Shard(1) layouts)
+    ("sequence", (CONTEXT,)),  # an activation's sequence dimension: over the context axis (whole without one;
+    # a plan's sequence-parallel Shard(1) layouts split it over the tensor-parallel axis too)
     ("vocab", (TP,)),  # embedding rows, output-head rows (logits stay split)
     ("heads", (TP,)),  # attention heads: q/k/v outputs, the output projection's input
     ("kv_heads", (TP,)),  # key/value heads of grouped-query attention
@@ -82,6 +85,20 @@ def batch_ways(sizes: Mapping[str, int]) -> int:
     for a in batch_axes(sizes):
         n *= sizes[a]
     return n
+
+
+def sequence_axes(sizes: Mapping[str, int], length: Optional[int] = None) -> tuple[str, ...]:
+    """The mesh axes a sequence of ``length`` tokens is split over (context parallelism): the context axis
+    where the mesh has one and it divides ``length`` (any length when None).
+
+    >>> sequence_axes({"context": 4, "model": 2}, 2048), sequence_axes({"context": 4}, 6), sequence_axes({"model": 8})
+    (('context',), (), ())
+    """
+    axes = mesh_axes("sequence", sizes)
+    ways = 1
+    for a in axes:
+        ways *= sizes[a]
+    return axes if length is None or length % ways == 0 else ()
 
 
 def param_shard_axis(sizes: Mapping[str, int]) -> Optional[str]:

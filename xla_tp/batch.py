@@ -59,13 +59,14 @@ def batch_split(size: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> t
     best: tuple[str, ...] = ()
     for n in range(len(axes), 0, -1):
         for group in itertools.combinations(axes, n):
-            ways = _devices(group, sizes)
-            if size % ways == 0 and ways > _devices(best, sizes):
+            n_group = ways(group, sizes)
+            if size % n_group == 0 and n_group > ways(best, sizes):
                 best = group
     return best
 
 
-def _devices(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+def ways(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
+    """How many devices ``axes`` span: ``ways(("data", "fsdp"), {"data": 2, "fsdp": 2}) == 4``."""
     n = 1  # a loop, not math.prod over a generator: dynamo traces it (a captured decode step splits its batch)
     for a in axes:
         n *= sizes.get(a, 1)
@@ -74,15 +75,15 @@ def _devices(axes: tuple[str, ...], sizes: Mapping[str, int]) -> int:
 
 def uneven_note(size: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> Optional[str]:
     """What splitting a batch of ``size`` over ``axes`` costs when it does not divide (None when it does)."""
-    ways = _devices(axes, sizes)
-    if size % ways == 0:
+    n_axes = ways(axes, sizes)
+    if size % n_axes == 0:
         return None
     split = batch_split(size, axes, sizes)
     over = " x ".join(f"{a}={sizes.get(a, 1)}" for a in axes)
-    how = (f"its inputs are split over {' x '.join(split)} only ({_devices(split, sizes)} ways)" if split
+    how = (f"its inputs are split over {' x '.join(split)} only ({ways(split, sizes)} ways)" if split
            else "its inputs are whole on every device")
-    return (f"batch {size} does not divide over {over} ({ways} devices): {how}, so devices may repeat each other's "
-            f"work (the audit's compute balance measures it); use a multiple of {ways}")
+    return (f"batch {size} does not divide over {over} ({n_axes} devices): {how}, so devices may repeat each other's "
+            f"work (the audit's compute balance measures it); use a multiple of {n_axes}")
 
 
 def _batched(x: Any) -> bool:

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
+from .axes import sequence_axes, spec_entry
 from .batch import batch_inputs, uneven_note
 from .errors import PlanError
 from .lowering import scope
@@ -58,6 +59,14 @@ class Constrainer:
 
     def spec(self, placement: Any, x: torch.Tensor) -> tuple:
         return activation_spec(placement, tuple(x.shape), self.tp_axis, self.batch_axes, self.sharder.sizes)
+
+    def entry_spec(self, x: torch.Tensor) -> tuple:
+        """How an input that carries the batch enters: split over the batch axes, and a sequence of tokens
+        (``[batch, sequence]`` ids, ``[batch, sequence, features]`` embeddings) over the context axis."""
+        spec = self.spec(Replicate(), x)
+        if x.dim() == 2 and not x.is_floating_point():
+            spec = (spec[0], spec_entry(sequence_axes(self.sharder.sizes, x.shape[1])))
+        return spec
 
     def __call__(self, x: Any, placements: Chain, ml: ModuleLayout, role: str, index: Any) -> Any:
         if not placements or not self.applies(x) or x.dim() == 0:
@@ -174,7 +183,7 @@ def entry_hook(constrain: Constrainer, main_input: Optional[str]):
         if not found:
             return None
         _warn_uneven(module, next(iter(found.values())).shape[0], constrain)
-        split = {key: constrain.sharder.constrain(x, constrain.spec(Replicate(), x)) for key, x in found.items()}
+        split = {key: constrain.sharder.constrain(x, constrain.entry_spec(x)) for key, x in found.items()}
         return (tuple(split.get(i, a) for i, a in enumerate(args)),
                 {k: split.get(k, v) for k, v in kwargs.items()})
     return hook
@@ -206,7 +215,9 @@ def install_constraints(root: nn.Module, state: ModelState, sharder: Sharder) ->
         for key in [k for k in other.constraints if k in planned]:
             other.remove_constraint_hooks(key)
     constrain = Constrainer(sharder, layout, checks=False)
-    if layout.batch_axes:  # the batch's split first, then the root's own layouts (a sequence-parallel root refines it)
+    state.sharder = sharder
+    if layout.batch_axes or sequence_axes(sharder.sizes):  # the batch's (and the sequence's) split first, then
+        # the root's own layouts (a sequence-parallel root refines it)
         hook = entry_hook(constrain, getattr(root, "main_input_name", None))
         state.add_constraint_hooks(root, [root.register_forward_pre_hook(hook, with_kwargs=True)])
     for fqn, ml in layout.modules.items():

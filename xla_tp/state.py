@@ -100,6 +100,7 @@ class ModelState:
     home: str = ""  # the device type its parameters were placed on ("xla"; the JAX backend keeps torch's CPU tensors)
     exit_hook: Any = None  # the root's last post-hook (``lowering.scope``), registered after the others
     lease: Any = None  # on the compatibility effects (``compat``)
+    sharder: Any = None  # the backend's ``constraints.Sharder`` on the mesh (lays out activations inside the lowering)
     finalizer: Any = None
     modules: Any = field(default_factory=weakref.WeakSet)  # the modules of the model when it was parallelized
 

@@ -11,17 +11,17 @@ plan's own layouts imply for the calls a trace recorded (``minimum``). Both back
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
 from torch import nn
 
-from ..axes import EXPERT
+from ..axes import EXPERT, sequence_axes
 from ..lowering.routed import dispatch_collectives
 from ..plan.layout import Layout, uses_axis
 from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
-from .minimum import Expected, adapters, minimum_collectives
+from .minimum import ContextGather, Expected, adapters, minimum_collectives
 from .params import local_numel, sharding_string
 from .report import AuditReport
 
@@ -51,13 +51,15 @@ def _sharded_numel(name: str, p: torch.Tensor) -> int:
 
 
 def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout, found: list,
-                grad_numel: Callable[[str, torch.Tensor], int] = _sharded_numel) -> None:
-    """Fill ``report.expected`` and ``comm_minimum_bytes`` from the recorded ``calls``.
+                grad_numel: Callable[[str, torch.Tensor], int] = _sharded_numel,
+                gathers: Sequence[ContextGather] = ()) -> None:
+    """Fill ``report.expected`` and ``comm_minimum_bytes`` from the recorded ``calls`` (and the keys and
+    values attention ``gathers`` over a context axis).
 
     ``grad_numel(name, param)``: elements of the largest shard of that parameter's gradient (by
     default read from the XLA tensor's sharding).
     """
-    expected = minimum_collectives(calls, module, layout, report.mesh, report.backward)
+    expected = minimum_collectives(calls, module, layout, report.mesh, report.backward, gathers)
     expected += _expert_dispatch(calls, module, report.mesh, report.backward)
     if report.backward:
         tp = report.mesh.get(layout.tp_axis, 1)
@@ -68,7 +70,7 @@ def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Lay
         expected += _data_grad_allreduces(module, layout, report.mesh, numel)
     if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
         tp = report.mesh.get(layout.tp_axis, 1)
-        expected = [Expected("all-reduce", e.elements * tp, e.dtype, e.where)
+        expected = [Expected("all-reduce", e.elements * (e.ways or tp), e.dtype, e.where)
                     if e.kind == "reduce-scatter" else e for e in expected]
         report.notes.append("no reduce-scatter in the program (the CPU compiler emits all-reduce + "
                             "dynamic-slice): plan reduce-scatters counted as all-reduces")
@@ -107,11 +109,13 @@ def _expert_dispatch(calls: list, module: nn.Module, sizes: dict[str, int], back
 def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int],
                           grad_numel: Callable[[str, torch.Tensor], int]) -> list[Expected]:
     """One all-reduce per parameter gradient (its local size) over the batch axes, where one splits the
-    batch: all but the expert axis for a weight whose experts it splits (each device's own experts)."""
+    batch (all but the expert axis for a weight whose experts it splits: each device's own experts),
+    and over a context axis (each device's part of the sequence)."""
     found = []
     for name, p in module.named_parameters():
         split = layout.params.get(name, ())
         axes = [a for a in layout.batch_axes if sizes.get(a, 1) > 1 and not (a == EXPERT and uses_axis(split, a))]
+        axes += sequence_axes(sizes)
         if p.requires_grad and axes:
             found.append(Expected("all-reduce", grad_numel(name, p), p.dtype, name + " grad"))
     return found

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from ..axes import sequence_axes
+from ..batch import ways
+from ..lowering.context import recording_gathers
 from ..plan.layout import Chain, Layout
 from ..state import added_modules
 
@@ -38,6 +41,7 @@ class Expected:
     elements: int
     dtype: torch.dtype
     where: str
+    ways: int = 0  # devices a reduce-scatter splits over (0: the tensor-parallel axis's)
 
 
 @dataclass
@@ -49,17 +53,32 @@ class _Call:
     added: bool = False  # a module added after the model was parallelized (``state.added_modules``)
 
 
+@dataclass(frozen=True)
+class ContextGather:
+    """A key or value attention gathers over the context axis (``lowering.attention.context_split``):
+    ``elements`` per device once gathered, split ``ways`` ways before."""
+
+    elements: int
+    ways: int
+    dtype: torch.dtype
+    requires_grad: bool
+
+
 class ActivationRecorder:
     """Temporary hooks on the planned modules, and on the modules added since the model was parallelized
-    (adapters), recording each call's inputs and outputs."""
+    (adapters), recording each call's inputs and outputs; and the keys and values attention gathers over
+    a context axis (``gathers``)."""
 
     def __init__(self, root: nn.Module, layout: Layout):
         self.root, self.layout = root, layout
         self.calls: list[_Call] = []
+        self.gathers: list[ContextGather] = []
         self.added = added_modules(root)
         self._handles: list[Any] = []
+        self._recording = recording_gathers(lambda *fields: self.gathers.append(ContextGather(*fields)))
 
     def __enter__(self) -> "ActivationRecorder":
+        self._recording.__enter__()
         for fqn in self.layout.modules:
             mod = self.root.get_submodule(fqn) if fqn else self.root
             self._handles.append(mod.register_forward_pre_hook(self._pre(fqn), prepend=True))
@@ -79,6 +98,7 @@ class ActivationRecorder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        self._recording.__exit__(*exc)
 
     def _pre(self, fqn: str):
         def hook(module: nn.Module, args: tuple) -> None:
@@ -127,12 +147,14 @@ class _Counter:
     def __init__(self, layout: Layout, sizes: Mapping[str, int], backward: bool):
         self.tp = sizes.get(layout.tp_axis, 1)
         self.batch = math.prod(sizes.get(a, 1) for a in layout.batch_axes)
-        self.backward = backward
+        self.sizes, self.backward = sizes, backward
         self.found: list[Expected] = []
         self.gathered: set[int] = set()
 
     def elements(self, t: torch.Tensor, kind: str) -> int:
         n = t.numel() // (self.batch if t.dim() and t.shape[0] % self.batch == 0 else 1)
+        if t.dim() >= 3:  # a [batch, sequence, ...] activation: its sequence split over a context axis
+            n //= ways(sequence_axes(self.sizes, t.shape[1]), self.sizes)
         return n // self.tp if kind in ("reduce-scatter", "all-to-all") else n
 
     def add(self, kind: str, t: torch.Tensor, where: str) -> None:
@@ -155,9 +177,16 @@ class _Counter:
 
 
 def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
-                        sizes: Mapping[str, int], backward: bool = False) -> list[Expected]:
-    """Every collective the layouts imply for the recorded calls, in call order."""
+                        sizes: Mapping[str, int], backward: bool = False,
+                        gathers: Sequence[ContextGather] = ()) -> list[Expected]:
+    """Every collective the layouts imply for the recorded calls, in call order; then each key and value
+    gathered over a context axis (one all-gather; its gradient one reduce-scatter)."""
     count = _Counter(layout, sizes, backward)
+    for g in gathers:
+        count.found.append(Expected("all-gather", g.elements, g.dtype, "attention key/value over the context axis"))
+        if backward and g.requires_grad:
+            count.found.append(Expected("reduce-scatter", g.elements // g.ways, g.dtype,
+                                        "attention key/value over the context axis (grad)", g.ways))
     grad_reduced: set[int] = set()
     for call, role in adapters(calls, layout).values():
         _adapter(call, role, count)

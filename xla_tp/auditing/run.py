@@ -112,7 +112,7 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
     seed = xm.get_rng_state()
     kept = _Annotations([*(module.parameters() if module is not None else ()), *tree_leaves((args, kwargs))])
     try:
-        text, calls = _trace(target, args, kwargs, backward, layout)
+        text, calls, gathers = _trace(target, args, kwargs, backward, layout)
         unsharded = unsharded_flops
         if unsharded is None and module is not None:
             unsharded = unsharded_dot_flops(module, args, backward, kwargs)
@@ -127,7 +127,7 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
     else:
         report.notes.append("a function, not a module: no parameter bytes or compute balance")
     if layout is not None and module is not None:
-        set_minimum(report, calls, module, layout, found)
+        set_minimum(report, calls, module, layout, found, gathers=gathers)
     else:
         report.notes.append("no plan layout: the communication minimum is unknown")
     if route() == "jaxlib":
@@ -156,13 +156,13 @@ class _Annotations:
 
 
 def _trace(target: Target, args: tuple, kwargs: dict, backward: bool, layout: Optional[Layout]):
-    """Trace forward (and backward) lazily; return the partitioned HLO and the recorded calls."""
+    """Trace forward (and backward) lazily; return the partitioned HLO, the recorded calls and context gathers."""
     module = target if isinstance(target, nn.Module) else None
     if module is None or layout is None:
-        return capture_partitioned_hlo(_outputs(target, args, kwargs, backward, None)), []
+        return capture_partitioned_hlo(_outputs(target, args, kwargs, backward, None)), [], []
     with ActivationRecorder(module, layout) as recorder:
         tensors = _outputs(module, args, kwargs, backward, dict(module.named_parameters()))
-    return capture_partitioned_hlo(tensors), recorder.calls
+    return capture_partitioned_hlo(tensors), recorder.calls, recorder.gathers
 
 
 def _outputs(target: Target, args: tuple, kwargs: dict, backward: bool,

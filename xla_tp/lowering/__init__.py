@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 from torch import nn
 
+from ..axes import sequence_axes
 from ..dataflow.graph import Graph
 from ..dataflow.trace import trace
 from ..errors import PlanError
@@ -113,7 +114,8 @@ def find(root: nn.Module, state: ModelState, graph: Graph, embeddings: bool = Tr
     state.moe_options = state.moe_options or MoeOptions()
     picking = install_sites(root, graph, layout, state.moe_options, state.mesh)
     state.experts += picking
-    owners.install(root, state, owners.find_owners(root, graph, tuple(picking)), state.sites)
+    context = state.sharder is not None and bool(sequence_axes(state.sharder.sizes))
+    owners.install(root, state, owners.find_owners(root, graph, tuple(picking), context), state.sites)
     state.groups, state.tables, state.pending = [tuple(g) for g in groups], [fqn for fqn, _, _ in tables], False
 
 

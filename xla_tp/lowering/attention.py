@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..axes import mesh_axes, spec_entry
 from . import scope
+from .context import context_split
 from .copies import as_kv_heads
 from .packed import packed_blocks
 
@@ -93,6 +94,7 @@ def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     heads = as_kv_heads(key)  # one key/value block copied per device: a key/value head each
     if heads is not key:
         key, value, enable_gqa = heads, as_kv_heads(value), True
+    query, key, value = context_split(query, key, value)
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
     scores = torch.einsum("...qd,...kd->...qk", query, key)

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..state import ensure_param_state, param_state
+from .context import split_sequence, splits_sequence
 
 if TYPE_CHECKING:
     from ..backends.annotate import XlaSharder
@@ -50,6 +51,8 @@ class VocabEmbedding(torch.autograd.Function):
         ctx.split, ctx.padding_idx, ctx.table = split, padding_idx, tuple(weight.shape)
         ctx.replicas, ctx.replica_axes = (1, None) if stack is None else (stack.shape[0], replica_axes)
         ctx.save_for_backward(ids)
+        if splits_sequence(ids, ids=True):  # torch_xla's embedding flattens the ids, which
+            return torch.ops.aten.index.Tensor(weight, [ids])  # a split sequence does not survive; a gather keeps them
         return torch.embedding(weight, ids, -1 if padding_idx is None else padding_idx)  # F.embedding is wrapped
 
     @staticmethod
@@ -117,8 +120,10 @@ def lookup(ids: torch.Tensor, weight: torch.Tensor, padding_idx: Optional[int] =
     tie = ps.tie
     stack = tie.stack(weight, ids) if tie is not None else None
     if stack is not None:
-        return VocabEmbedding.apply(split, padding_idx, ids, weight, stack, tie.axes)
-    return VocabEmbedding.apply(split, padding_idx, ids, weight)
+        out = VocabEmbedding.apply(split, padding_idx, ids, weight, stack, tie.axes)
+    else:
+        out = VocabEmbedding.apply(split, padding_idx, ids, weight)
+    return split_sequence(out) if ids.dim() >= 2 else out  # laid out from the ids, not from the split table
 
 
 def lowerable(module: nn.Module, tp: int) -> bool:

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 
 from ..dataflow.indexing import indexed_dims
 from ..state import param_state
-from . import attention, copies, embedding as vocab, packed, scope, selection, slots, tied, transposed
+from . import attention, context, copies, embedding as vocab, packed, scope, selection, slots, tied, transposed
 
 
 GETITEM = torch._C.TensorBase.__getitem__  # x[i], as a mode sees it
@@ -151,13 +151,14 @@ def _projected(y: torch.Tensor, packing: Optional[packed.Packing], out_dim: int)
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> Any:
     """``F.linear`` of a parallelized parameter: column groups, tied heads, copies and packed outputs."""
     ps = param_state(weight)
-    if ps is None or not scope.lowering():
-        return NotImplemented
+    if ps is None or not scope.lowering():  # a projection of a sequence split over a context axis keeps it
+        return context.linear(x, weight, bias) if ps is None and context.splits_sequence(x) else NotImplemented
     out = ps.group.output(x, weight, bias) if ps.group is not None else None
     if out is None and ps.tie is not None:
         out = tied.head(x, weight, bias)
     if out is None:  # copied blocks' copies get the sum of their gradients
-        out = F.linear(x, copies.summed(weight, ps.packing), copies.summed(bias, packed.packing_of(bias)))
+        w, b = copies.summed(weight, ps.packing), copies.summed(bias, packed.packing_of(bias))
+        out = context.linear(x, w, b) if context.splits_sequence(x) else F.linear(x, w, b)
     return _projected(out, ps.packing, 0)
 
 

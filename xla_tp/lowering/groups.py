@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..state import drop_implied_output, ensure_param_state, param_state
-from . import scope
+from . import context, scope
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -36,8 +36,10 @@ class GroupedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tp: int, x: torch.Tensor, *params: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         weights, biases = params[0::2], params[1::2]
-        ctx.tp, ctx.biased = tp, [b is not None for b in biases]
+        ctx.tp, ctx.biased, ctx.keep_dims = tp, [b is not None for b in biases], context.splits_sequence(x)
         ctx.save_for_backward(x, *weights)
+        if ctx.keep_dims:
+            return tuple(context.linear(x, w, b) for w, b in zip(weights, biases))
         return tuple(torch._C._nn.linear(x, w, b) for w, b in zip(weights, biases))  # not the lowered F.linear
 
     @staticmethod
@@ -48,14 +50,17 @@ class GroupedLinear(torch.autograd.Function):
         if live and ctx.needs_input_grad[1]:  # [..., tp * S] @ [tp * S, in]: each device's rows of every member
             rows = torch.cat([dy.unflatten(-1, (ctx.tp, -1)) for dy, _ in live], dim=-1).flatten(-2)
             mats = torch.cat([w.unflatten(0, (ctx.tp, -1)) for _, w in live], dim=1).flatten(0, 1)
-            dx = torch.matmul(rows, mats)
-        x2 = x.flatten(0, -2)
+            dx = torch.einsum("...k,ki->...i", rows, mats) if ctx.keep_dims else torch.matmul(rows, mats)
+        x2 = x if ctx.keep_dims else x.flatten(0, -2)  # a sequence split over a context axis: no reshape
         grads: list[Optional[torch.Tensor]] = []
         for i, (dy, biased) in enumerate(zip(dys, ctx.biased)):
             wants_w, wants_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
-            dy2 = dy.flatten(0, -2) if dy is not None else None
-            grads.append(dy2.t().mm(x2) if dy2 is not None and wants_w else None)
-            grads.append(dy2.sum(0) if dy2 is not None and biased and wants_b else None)
+            dy2 = None if dy is None else dy if ctx.keep_dims else dy.flatten(0, -2)
+            if dy2 is not None and wants_w:
+                grads.append(torch.einsum("...o,...i->oi", dy2, x2) if ctx.keep_dims else dy2.t().mm(x2))
+            else:
+                grads.append(None)
+            grads.append(dy2.flatten(0, -2).sum(0) if dy2 is not None and biased and wants_b else None)
         return (None, dx, *grads)
 
 

@@ -62,9 +62,11 @@ def _attention_matmul(node: Node) -> bool:
     return node.op == "matmul" and len(node.tensors) == 2 and all(len(v.shape) >= 4 for v in node.tensors)
 
 
-def find_owners(root: nn.Module, graph: Optional[Graph], selection_sites: tuple[str, ...] = ()) -> dict[str, str]:
+def find_owners(root: nn.Module, graph: Optional[Graph], selection_sites: tuple[str, ...] = (),
+                context: bool = False) -> dict[str, str]:
     """Module FQN -> the kind of rewrite it owns (see the module docstring); ``{"": "everything"}`` without
-    a trace."""
+    a trace. With ``context`` (a mesh with a context axis) every projection is owned: it keeps the sequence
+    dimension its input is split along (``context.linear``)."""
     if graph is None:
         return {"": "everything"}
     params = dict(root.named_parameters(remove_duplicate=False))
@@ -76,7 +78,7 @@ def find_owners(root: nn.Module, graph: Optional[Graph], selection_sites: tuple[
             if kind == "attention" and through_interface(modules.get(node.module)):
                 kind = TRANSFORMERS_ATTENTION
             kinds.setdefault(node.module, set()).add(kind)
-        elif node.op in WEIGHT_OPS and _owned_weight(node, params):
+        elif node.op in WEIGHT_OPS and (_owned_weight(node, params) or context and node.op == "linear"):
             plain = _PLAIN_FORWARDS.get(type(modules.get(node.module)).forward)
             kinds.setdefault(node.module if plain else _caller(graph, node), set()).add(
                 CLASS_OWNED if plain else "marked parameters")

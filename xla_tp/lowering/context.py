@@ -1,0 +1,99 @@
+"""Context parallelism inside a parallelized forward: the sequence split over the mesh's context axis.
+
+The model's inputs enter with their sequence split over the context axis (``constraints``), and the
+compiler keeps position-wise work (projections, norms, the MLP) on each device's part of the sequence.
+Two places need a word: attention, where each device's queries must meet every key and value
+(``context_split``: keys and values gathered over the axis, their gradients reduce-scattered back), and an
+embedding lookup, whose output the compiler would otherwise lay out from the table rather than from the
+ids (``split_sequence``). Elsewhere (no context axis, a sequence the axis does not divide, one decoded
+token) both return their inputs. Example (inside a parallelized forward on ``make_mesh(context=4, model=2)``)::
+
+    q, k, v = context_split(q, k, v)   # q: [b, h, s/4 per device, d]; k, v: [b, h, s, d] on every device
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+from ..axes import sequence_axes, spec_entry
+from ..batch import batch_split, ways
+from . import scope
+
+_gathers = threading.local()
+
+
+def _context(x: torch.Tensor, seq_dim: int) -> Optional[tuple[Any, Any, tuple[str, ...], tuple[str, ...]]]:
+    """(state, sharder, batch axes, sequence axes) when ``x``'s dimension ``seq_dim`` is split over a
+    context axis in the parallelized forward running now; else None."""
+    state = scope.current()
+    sharder = getattr(state, "sharder", None)
+    if sharder is None or x.dim() <= seq_dim or not sharder.applies(x):
+        return None
+    seq = sequence_axes(sharder.sizes, x.shape[seq_dim])
+    if not seq:
+        return None
+    return state, sharder, batch_split(x.shape[0], state.layout.batch_axes, sharder.sizes), seq
+
+
+def splits_sequence(x: torch.Tensor, ids: bool = False) -> bool:
+    """Whether ``x`` (``[batch, sequence, features...]`` activations, or with ``ids`` ``[batch, sequence]``
+    token ids) has its sequence split over a context axis here: then a projection of it keeps its leading
+    dimensions (``linear``), a lookup its ids' (``embedding``)."""
+    return x.dim() >= (2 if ids else 3) and _context(x, 1) is not None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``F.linear`` as an einsum: XLA lowers ``F.linear`` of a ``[batch, sequence, in]`` input through a
+    reshape to ``[batch * sequence, in]``, which a sequence split over the context axis does not survive
+    (unless the batch per device is 1): the compiler gathers the sequence. The einsum keeps both dimensions."""
+    y = torch.einsum("...i,oi->...o", x, weight)
+    return y if bias is None else y + bias
+
+
+def split_sequence(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (``[batch, sequence, ...]``) laid out with its batch over the batch axes and its sequence over
+    the context axis, the rest whole (its gradient too)."""
+    found = _context(x, 1)
+    if found is None:
+        return x
+    _, sharder, batch, seq = found
+    return sharder.constrain(x, (spec_entry(batch), spec_entry(seq), *[None] * (x.dim() - 2)))
+
+
+def context_split(query: torch.Tensor, key: torch.Tensor,
+                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """On a mesh with a context axis (context parallelism), each device's block of queries (the sequence
+    split over the axis) against every key and value: keys and values gathered over the axis (their
+    gradients reduce-scattered back), heads split over the tensor-parallel axis where they divide it.
+    Each device's score block is ``[queries / context, keys]``. Unchanged elsewhere (no context axis, a
+    query length it does not divide, e.g. one decoded token)."""
+    found = _context(query, 2) if query.dim() == 4 else None
+    if found is None:
+        return query, key, value
+    state, sharder, batch, seq = found
+    sizes, tp = sharder.sizes, state.layout.tp_axis
+
+    def heads(t: torch.Tensor) -> Optional[str]:
+        return tp if sizes.get(tp, 1) > 1 and t.shape[1] % sizes[tp] == 0 else None
+    whole = [sharder.constrain(t, (spec_entry(batch), heads(t), None, None)) for t in (key, value)]
+    record = getattr(_gathers, "record", None)
+    if record is not None:
+        split = ways(batch, sizes) * ways((tp,) if heads(key) else (), sizes)
+        for t in (key, value):
+            record(t.numel() // split, ways(seq, sizes), t.dtype, t.requires_grad)
+    return sharder.constrain(query, (spec_entry(batch), heads(query), spec_entry(seq), None)), whole[0], whole[1]
+
+
+@contextlib.contextmanager
+def recording_gathers(record: Callable[[int, int, torch.dtype, bool], None]) -> Iterator[None]:
+    """Call ``record(elements per device, context ways, dtype, requires_grad)`` for each key and value
+    ``context_split`` gathers over the context axis in this thread during the block (the audit's minimum)."""
+    previous = getattr(_gathers, "record", None)
+    _gathers.record = record
+    try:
+        yield
+    finally:
+        _gathers.record = previous
