@@ -1,5 +1,5 @@
 """Benchmarks (``python -m bench``, ``python -m bench.optimizers``, ``python -m bench.meta_init``,
-``python -m bench.generation``)."""
+``python -m bench.generation``, ``python -m bench.long_context``)."""
 import json
 from pathlib import Path
 

@@ -37,13 +37,14 @@ if has_torch_xla():  # the torch_xla adapter; importing it turns SPMD on (the ca
     from .api import parallelize_module, parallelize_xla
     from .auditing.run import audit
     from .checkpoint import export_hf, load_checkpoint, save_checkpoint
+    from .context_parallel import context_parallel
     from .generation import generate
     from .mesh import init_device_mesh, make_mesh
 else:  # each raises, when called, saying what to install
     parallelize_module, parallelize_xla = needs_torch_xla("parallelize_module"), needs_torch_xla("parallelize_xla")
     audit, generate = needs_torch_xla("audit"), needs_torch_xla("generate")
     export_hf, load_checkpoint = needs_torch_xla("export_hf"), needs_torch_xla("load_checkpoint")
-    save_checkpoint = needs_torch_xla("save_checkpoint")
+    save_checkpoint, context_parallel = needs_torch_xla("save_checkpoint"), needs_torch_xla("context_parallel")
     init_device_mesh, make_mesh = needs_torch_xla("init_device_mesh"), needs_torch_xla("make_mesh")
 
 __all__ = [
@@ -56,3 +57,4 @@ __all__ = [
 __all__ += ["moe_report", "register_style", "set_moe_options"]  # mixture-of-experts layers, other libraries' styles
 __all__ += ["CheckpointError", "OptimizerError", "export_hf", "load_checkpoint", "save_checkpoint"]  # training at scale
 __all__ += ["GenerationError", "generate"]  # generation
+__all__ += ["context_parallel"]  # long sequences

@@ -29,7 +29,8 @@ from __future__ import annotations
 import functools
 import os
 import re
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 
@@ -63,12 +64,26 @@ def _torch_xla_hlo(tensors: list) -> str:
         del os.environ[POST_OPTIMIZATIONS]
 
 
+@dataclass(frozen=True)
+class Program:
+    """A captured per-device program: its HLO text, and (jaxlib's route only: torch_xla does not hand
+    out its compiler's statistics) the peak temporary memory per device XLA's buffer assignment gives it."""
+
+    text: str
+    temp_bytes: Optional[int] = None
+
+
 def capture_partitioned_hlo(tensors: list) -> str:
     """Per-device HLO after SPMD partitioning of the pending computation of ``tensors``.
 
     Needs SPMD on (``torch_xla.runtime.use_spmd()``, done by ``make_mesh``). Compiles, does not
     execute. Example: ``parse_collectives(capture_partitioned_hlo([model(x)]))``.
     """
+    return capture_program(tensors).text
+
+
+def capture_program(tensors: list) -> Program:
+    """``capture_partitioned_hlo``'s program, with its compiled memory statistics where the route has them."""
     import torch_xla.runtime as xr  # lazy: keep the audit's parsing modules importable without torch_xla
 
     if not xr.is_spmd():
@@ -82,17 +97,22 @@ def capture_partitioned_hlo(tensors: list) -> str:
     partitioned = bool(entry and "_spmd" in entry.group(1))
     _route[:] = ["device" if partitioned else "jaxlib"]
     if partitioned:
-        return text
+        return Program(text)
     if post_optimization_hlo_enabled():
         raise RuntimeError(f"torch_xla returned HLO that is not partitioned (ENTRY {entry.group(1) if entry else '?'}) "
                            f"although XLA_DUMP_POST_OPTIMIZATIONS is set: it must be set before the "
                            f"process's first HLO query (it is read once)")
-    return partition_with_jaxlib(text, xr.global_runtime_device_count())
+    executable = _jaxlib_executable(text, xr.global_runtime_device_count())
+    return Program(executable.hlo_modules()[0].to_string(), executable.get_compiled_memory_stats().temp_size_in_bytes)
 
 
 def partition_with_jaxlib(hlo_text: str, partitions: int) -> str:
     """Compile pre-optimisation, sharding-annotated ``hlo_text`` for ``partitions`` devices with
     jaxlib's XLA (GSPMD, outputs' shardings propagated as torch_xla does); the partitioned HLO."""
+    return _jaxlib_executable(hlo_text, partitions).hlo_modules()[0].to_string()
+
+
+def _jaxlib_executable(hlo_text: str, partitions: int) -> Any:
     try:
         from jaxlib import _jax, xla_client
     except ImportError as error:
@@ -113,7 +133,7 @@ def partition_with_jaxlib(hlo_text: str, partitions: int) -> str:
         raise RuntimeError(f"jaxlib's XLA could not compile the program torch_xla produced ({error}); set "
                            f"XLA_DUMP_POST_OPTIMIZATIONS=1 before the process starts so torch_xla compiles "
                            f"it itself") from error
-    return executable.hlo_modules()[0].to_string()
+    return executable
 
 
 @functools.lru_cache(maxsize=None)

@@ -47,6 +47,7 @@ class AuditReport:
     unsharded_flops: Optional[int] = None
     param_bytes_per_device: Optional[int] = None
     param_bytes_total: Optional[int] = None
+    temp_bytes_per_device: Optional[int] = None  # peak temporary memory (XLA's buffer assignment; jaxlib's route)
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -95,6 +96,8 @@ class AuditReport:
                  _num(None if self.param_bytes_total is None
                       else self.param_bytes_total // self.mesh.get("model", 1)),
                  _fmt(self.param_memory_ratio))]
+        if self.temp_bytes_per_device is not None:
+            rows.append(("peak temporary bytes/device", _num(self.temp_bytes_per_device), "-", "-"))
         lines.append(_table(("metric", "measured", "ideal", "ratio"), rows))
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -38,7 +38,7 @@ from ..lowering.packed import original_shape
 from ..mesh import MeshLike, to_xs_mesh
 from ..plan.layout import Layout
 from ..state import constraint_handles, layout_of
-from .capture import capture_partitioned_hlo, route
+from .capture import capture_partitioned_hlo, capture_program, route
 from .hlo import dot_flops
 from .figures import report_from_hlo, set_minimum
 from .minimum import ActivationRecorder
@@ -112,7 +112,8 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
     seed = xm.get_rng_state()
     kept = _Annotations([*(module.parameters() if module is not None else ()), *tree_leaves((args, kwargs))])
     try:
-        text, calls, gathers = _trace(target, args, kwargs, backward, layout)
+        program, calls, gathers = _trace(target, args, kwargs, backward, layout)
+        text = program.text
         unsharded = unsharded_flops
         if unsharded is None and module is not None:
             unsharded = unsharded_dot_flops(module, args, backward, kwargs)
@@ -121,6 +122,7 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
         kept.restore()
     ids = np.asarray(xmesh.device_ids).reshape(tuple(xmesh.mesh_shape))
     report, found = report_from_hlo(text, ids, tuple(str(n) for n in xmesh.axis_names), backward, unsharded)
+    report.temp_bytes_per_device = program.temp_bytes
     if module is not None:
         report.param_bytes_per_device, report.param_bytes_total = param_bytes(module)
         report.notes += route_notes(module)
@@ -156,13 +158,13 @@ class _Annotations:
 
 
 def _trace(target: Target, args: tuple, kwargs: dict, backward: bool, layout: Optional[Layout]):
-    """Trace forward (and backward) lazily; return the partitioned HLO, the recorded calls and context gathers."""
+    """Trace forward (and backward) lazily; return the partitioned program, the recorded calls and context gathers."""
     module = target if isinstance(target, nn.Module) else None
     if module is None or layout is None:
-        return capture_partitioned_hlo(_outputs(target, args, kwargs, backward, None)), [], []
+        return capture_program(_outputs(target, args, kwargs, backward, None)), [], []
     with ActivationRecorder(module, layout) as recorder:
         tensors = _outputs(module, args, kwargs, backward, dict(module.named_parameters()))
-    return capture_partitioned_hlo(tensors), recorder.calls, recorder.gathers
+    return capture_program(tensors), recorder.calls, recorder.gathers
 
 
 def _outputs(target: Target, args: tuple, kwargs: dict, backward: bool,

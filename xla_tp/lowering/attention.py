@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ..axes import mesh_axes, spec_entry
 from . import scope
-from .context import context_split
+from .context import context_split, splits_queries
 from .copies import as_kv_heads
 from .packed import packed_blocks
 
@@ -81,7 +81,7 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` as two einsums (or the flash kernel on TPU, see the module)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if flash_eligible(query, key, attn_mask, dropout_p):
+    if flash_eligible(query, key, attn_mask, dropout_p) and not splits_queries(query):  # no flash per context block yet
         from torch_xla.experimental.custom_kernel import flash_attention
         return flash_attention(**flash_call(query, key, value, attn_mask, is_causal, scale))
     return einsum_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -1,12 +1,14 @@
-"""Context parallelism inside a parallelized forward: the sequence split over the mesh's context axis.
+"""Context parallelism inside a parallelized forward (or a ``context_parallel`` block, ``ambient``): the
+sequence split over the mesh's context axis.
 
 The model's inputs enter with their sequence split over the context axis (``constraints``), and the
-compiler keeps position-wise work (projections, norms, the MLP) on each device's part of the sequence.
-Two places need a word: attention, where each device's queries must meet every key and value
-(``context_split``: keys and values gathered over the axis, their gradients reduce-scattered back), and an
-embedding lookup, whose output the compiler would otherwise lay out from the table rather than from the
-ids (``split_sequence``). Elsewhere (no context axis, a sequence the axis does not divide, one decoded
-token) both return their inputs. Example (inside a parallelized forward on ``make_mesh(context=4, model=2)``)::
+compiler keeps position-wise work (norms, activations) on each device's part of the sequence. Three
+places need a word: attention, where each device's queries must meet every key and value
+(``context_split``: keys and values gathered over the axis, their gradients reduce-scattered back);
+projections, which XLA lowers through a reshape that merges batch and sequence (``linear``: an einsum
+keeps them); and an embedding lookup, whose ids XLA flattens the same way and whose output the compiler
+would lay out from the table (``split_sequence``). Elsewhere (no context axis, a sequence the axis does not
+divide, one decoded token) each returns its inputs. Example (inside a parallelized forward on ``make_mesh(context=4, model=2)``)::
 
     q, k, v = context_split(q, k, v)   # q: [b, h, s/4 per device, d]; k, v: [b, h, s, d] on every device
 """
@@ -23,19 +25,39 @@ from ..batch import batch_split, ways
 from . import scope
 
 _gathers = threading.local()
+_ambient = threading.local()
 
 
-def _context(x: torch.Tensor, seq_dim: int) -> Optional[tuple[Any, Any, tuple[str, ...], tuple[str, ...]]]:
-    """(state, sharder, batch axes, sequence axes) when ``x``'s dimension ``seq_dim`` is split over a
-    context axis in the parallelized forward running now; else None."""
+def _context(x: torch.Tensor, seq_dim: int) -> Optional[tuple[Any, tuple[str, ...], tuple[str, ...], str]]:
+    """(sharder, batch axes, sequence axes, tensor-parallel axis) when ``x``'s dimension ``seq_dim`` is split
+    over a context axis: in the parallelized forward running now, or else in a ``context_parallel`` block
+    (``ambient``); None otherwise."""
     state = scope.current()
-    sharder = getattr(state, "sharder", None)
-    if sharder is None or x.dim() <= seq_dim or not sharder.applies(x):
+    if state is not None and getattr(state, "sharder", None) is not None:
+        sharder, batch_axes, tp = state.sharder, state.layout.batch_axes, state.layout.tp_axis
+    else:
+        found = getattr(_ambient, "value", None)
+        if found is None:
+            return None
+        sharder, batch_axes, tp = found
+    if x.dim() <= seq_dim or not sharder.applies(x):
         return None
     seq = sequence_axes(sharder.sizes, x.shape[seq_dim])
     if not seq:
         return None
-    return state, sharder, batch_split(x.shape[0], state.layout.batch_axes, sharder.sizes), seq
+    return sharder, batch_split(x.shape[0], batch_axes, sharder.sizes), seq, tp
+
+
+@contextlib.contextmanager
+def ambient(sharder: Any, batch_axes: tuple[str, ...], tp_axis: str) -> Iterator[None]:
+    """Context parallelism for code outside a parallelized model during the block (``context_parallel``):
+    ``sharder``'s mesh, the batch split over ``batch_axes``, heads over ``tp_axis`` where they divide it."""
+    previous = getattr(_ambient, "value", None)
+    _ambient.value = (sharder, batch_axes, tp_axis)
+    try:
+        yield
+    finally:
+        _ambient.value = previous
 
 
 def splits_sequence(x: torch.Tensor, ids: bool = False) -> bool:
@@ -43,6 +65,12 @@ def splits_sequence(x: torch.Tensor, ids: bool = False) -> bool:
     token ids) has its sequence split over a context axis here: then a projection of it keeps its leading
     dimensions (``linear``), a lookup its ids' (``embedding``)."""
     return x.dim() >= (2 if ids else 3) and _context(x, 1) is not None
+
+
+def splits_queries(query: torch.Tensor) -> bool:
+    """Whether attention on ``query`` (``[batch, heads, sequence, dim]``) splits its sequence over a context
+    axis here (``context_split``)."""
+    return query.dim() == 4 and _context(query, 2) is not None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -59,7 +87,7 @@ def split_sequence(x: torch.Tensor) -> torch.Tensor:
     found = _context(x, 1)
     if found is None:
         return x
-    _, sharder, batch, seq = found
+    sharder, batch, seq, _ = found
     return sharder.constrain(x, (spec_entry(batch), spec_entry(seq), *[None] * (x.dim() - 2)))
 
 
@@ -73,8 +101,8 @@ def context_split(query: torch.Tensor, key: torch.Tensor,
     found = _context(query, 2) if query.dim() == 4 else None
     if found is None:
         return query, key, value
-    state, sharder, batch, seq = found
-    sizes, tp = sharder.sizes, state.layout.tp_axis
+    sharder, batch, seq, tp = found
+    sizes = sharder.sizes
 
     def heads(t: torch.Tensor) -> Optional[str]:
         return tp if sizes.get(tp, 1) > 1 and t.shape[1] % sizes[tp] == 0 else None
