@@ -69,19 +69,28 @@ def context_parallel(mesh: MeshLike, *, buffers: Optional[Sequence[torch.Tensor]
     specs = [_spec(i, b, d, sizes) for i, (b, d) in enumerate(zip(buffers, dims))]
     kept = no_restore_buffers or set()
     before = [torch_xla._XLAC._get_xla_op_sharding(b) for b in buffers]
-    for b, spec in zip(buffers, specs):
-        torch_xla._XLAC._xla_clear_sharding(b)
-        xs.mark_sharding(b, xmesh, spec)
+    marked = 0
     try:
+        for b, spec in zip(buffers, specs):
+            torch_xla._XLAC._xla_clear_sharding(b)
+            marked += 1
+            xs.mark_sharding(b, xmesh, spec)
         with context.ambient(XlaSharder(xmesh), batch_axes(sizes), "model"), _ContextAttention():
             yield
     finally:
-        for b, old in zip(buffers, before):
-            if any(b is k for k in kept):
-                continue
-            torch_xla._XLAC._xla_clear_sharding(b)
-            if old is not None:
-                torch_xla._XLAC._xla_mark_sharding(b, old)
+        for b, old in zip(buffers[:marked], before):
+            if not any(b is k for k in kept):
+                _restore(b, old, xmesh)
+
+
+def _restore(buffer: torch.Tensor, old: Any, xmesh: Any) -> None:
+    """``buffer`` laid out as before the block: its old sharding, or replicated (and unannotated) if it had none."""
+    torch_xla._XLAC._xla_clear_sharding(buffer)
+    if old is not None:
+        torch_xla._XLAC._xla_mark_sharding(buffer, old)
+        return
+    xs.mark_sharding(buffer, xmesh, (None,) * buffer.dim())  # the data gathered back, then no annotation
+    torch_xla._XLAC._xla_clear_sharding(buffer)
 
 
 def _spec(i: int, buffer: Any, dim: int, sizes: dict[str, int]) -> tuple:

@@ -115,6 +115,9 @@ class ModelState:
                  f"modules planned ({len(self.layout.modules)}):"]
         lines += [f"  {fqn or '<root>'}: {ml.style} (key {ml.source!r})" for fqn, ml in self.layout.modules.items()]
         lines.append(f"parameters sharded: {sum(1 for r in self.records.values() if r is not None)}")
+        if int(sizes.get("context", 1)) > 1:
+            lines.append(f"context parallelism: the sequence split {int(sizes['context'])} ways over 'context' for "
+                         f"the whole model; attention gathers keys and values over it (queries stay split)")
         if self.pending:
             lines.append("lowering: found at the next forward (the model could not be traced before it)")
         else:

@@ -45,6 +45,7 @@ def test_auto_on_context_4_x_model_2_splits_the_score_block_and_gathers_only_key
     assert _gathered(hlo) == [(batch, 1, seq, 16)] * 4
     assert set(collectives_of(hlo)) == {"all-gather", "all-reduce"}
     assert (out.cpu() - ref(input_ids=ids).logits).abs().max() < 1e-4
+    assert "context parallelism: the sequence split 4 ways" in xla_tp.state_of(model).explain()
 
 
 def test_the_audit_counts_the_context_gathers_and_the_sequence_split():
@@ -123,7 +124,7 @@ def test_torch_context_parallel_signature_splits_the_buffers_and_gathers_keys_an
         assert "devices=[1,4,1,2]" in torch_xla._XLAC._get_xla_sharding_spec(xd)  # sequence over cp, whole on tp
         out = model(xd)
         hlo = capture_partitioned_hlo([out])
-    assert torch_xla._XLAC._get_xla_sharding_spec(xd) == ""  # its layout before the block
+    assert torch_xla._XLAC._get_xla_sharding_spec(xd) == "" and torch.equal(xd.cpu(), x)  # as before the block
     # keys and values of the two blocks, whole sequence, heads split over tp, gathered over cp (in the compiler's
     # order); an unplanned model's attention output is gathered over tp for its whole wo (2 x [2, 256 / 4, 64])
     gathered = [tuple(sorted(s)) for s in _gathered(hlo)]

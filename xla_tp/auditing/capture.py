@@ -103,7 +103,11 @@ def capture_program(tensors: list) -> Program:
                            f"although XLA_DUMP_POST_OPTIMIZATIONS is set: it must be set before the "
                            f"process's first HLO query (it is read once)")
     executable = _jaxlib_executable(text, xr.global_runtime_device_count())
-    return Program(executable.hlo_modules()[0].to_string(), executable.get_compiled_memory_stats().temp_size_in_bytes)
+    try:
+        temp = executable.get_compiled_memory_stats().temp_size_in_bytes
+    except Exception:  # a jaxlib or backend without compiled memory statistics: the audit goes on without them
+        temp = None
+    return Program(executable.hlo_modules()[0].to_string(), temp)
 
 
 def partition_with_jaxlib(hlo_text: str, partitions: int) -> str:

@@ -24,8 +24,15 @@ from ..axes import sequence_axes, spec_entry
 from ..batch import batch_split, ways
 from . import scope
 
-_gathers = threading.local()
-_ambient = threading.local()
+class _Slot(threading.local):
+    """A per-thread value, present from the start (dynamo guards on an attribute's presence)."""
+
+    def __init__(self) -> None:
+        self.value: Any = None
+
+
+_gathers = _Slot()  # the audit's recorder of key/value gathers
+_ambient = _Slot()  # a context_parallel block's (sharder, batch axes, tensor-parallel axis)
 
 
 def _context(x: torch.Tensor, seq_dim: int) -> Optional[tuple[Any, tuple[str, ...], tuple[str, ...], str]]:
@@ -36,7 +43,7 @@ def _context(x: torch.Tensor, seq_dim: int) -> Optional[tuple[Any, tuple[str, ..
     if state is not None and getattr(state, "sharder", None) is not None:
         sharder, batch_axes, tp = state.sharder, state.layout.batch_axes, state.layout.tp_axis
     else:
-        found = getattr(_ambient, "value", None)
+        found = _ambient.value
         if found is None:
             return None
         sharder, batch_axes, tp = found
@@ -52,7 +59,7 @@ def _context(x: torch.Tensor, seq_dim: int) -> Optional[tuple[Any, tuple[str, ..
 def ambient(sharder: Any, batch_axes: tuple[str, ...], tp_axis: str) -> Iterator[None]:
     """Context parallelism for code outside a parallelized model during the block (``context_parallel``):
     ``sharder``'s mesh, the batch split over ``batch_axes``, heads over ``tp_axis`` where they divide it."""
-    previous = getattr(_ambient, "value", None)
+    previous = _ambient.value
     _ambient.value = (sharder, batch_axes, tp_axis)
     try:
         yield
@@ -107,8 +114,8 @@ def context_split(query: torch.Tensor, key: torch.Tensor,
     def heads(t: torch.Tensor) -> Optional[str]:
         return tp if sizes.get(tp, 1) > 1 and t.shape[1] % sizes[tp] == 0 else None
     whole = [sharder.constrain(t, (spec_entry(batch), heads(t), None, None)) for t in (key, value)]
-    record = getattr(_gathers, "record", None)
-    if record is not None:
+    record = _gathers.value
+    if record is not None and sequence_axes(sizes, key.shape[2]):  # keys as long as the queries: split before
         split = ways(batch, sizes) * ways((tp,) if heads(key) else (), sizes)
         for t in (key, value):
             record(t.numel() // split, ways(seq, sizes), t.dtype, t.requires_grad)
@@ -119,9 +126,9 @@ def context_split(query: torch.Tensor, key: torch.Tensor,
 def recording_gathers(record: Callable[[int, int, torch.dtype, bool], None]) -> Iterator[None]:
     """Call ``record(elements per device, context ways, dtype, requires_grad)`` for each key and value
     ``context_split`` gathers over the context axis in this thread during the block (the audit's minimum)."""
-    previous = getattr(_gathers, "record", None)
-    _gathers.record = record
+    previous = _gathers.value
+    _gathers.value = record
     try:
         yield
     finally:
-        _gathers.record = previous
+        _gathers.value = previous

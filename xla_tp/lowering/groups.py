@@ -51,16 +51,16 @@ class GroupedLinear(torch.autograd.Function):
             rows = torch.cat([dy.unflatten(-1, (ctx.tp, -1)) for dy, _ in live], dim=-1).flatten(-2)
             mats = torch.cat([w.unflatten(0, (ctx.tp, -1)) for _, w in live], dim=1).flatten(0, 1)
             dx = torch.einsum("...k,ki->...i", rows, mats) if ctx.keep_dims else torch.matmul(rows, mats)
-        x2 = x if ctx.keep_dims else x.flatten(0, -2)  # a sequence split over a context axis: no reshape
+        x2 = x if ctx.keep_dims else x.reshape(-1, x.shape[-1])  # a sequence split over a context axis: no reshape
         grads: list[Optional[torch.Tensor]] = []
         for i, (dy, biased) in enumerate(zip(dys, ctx.biased)):
             wants_w, wants_b = ctx.needs_input_grad[2 + 2 * i], ctx.needs_input_grad[3 + 2 * i]
-            dy2 = None if dy is None else dy if ctx.keep_dims else dy.flatten(0, -2)
+            dy2 = None if dy is None else dy if ctx.keep_dims else dy.reshape(-1, dy.shape[-1])
             if dy2 is not None and wants_w:
                 grads.append(torch.einsum("...o,...i->oi", dy2, x2) if ctx.keep_dims else dy2.t().mm(x2))
             else:
                 grads.append(None)
-            grads.append(dy2.flatten(0, -2).sum(0) if dy2 is not None and biased and wants_b else None)
+            grads.append(dy2.reshape(-1, dy2.shape[-1]).sum(0) if dy2 is not None and biased and wants_b else None)
         return (None, dx, *grads)
 
 

@@ -102,7 +102,7 @@ def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis
     Dimension 0 is the batch: it is sharded over ``batch_axes`` (data/fsdp; ``sizes``: the mesh's axis
     sizes), or over the largest group of them it divides (``batch.batch_split``), so a TP constraint
     never gathers the data-parallel axis and every constraint splits the batch as the model's entry does.
-    On a mesh with a context axis, dimension 1 of a ``[batch, sequence, features...]`` activation is
+    On a mesh with a context axis, dimension 1 of a ``[batch, sequence, features]`` activation is
     the sequence, split over it (before the tensor-parallel axis of a ``Shard(1)``).
     ``activation_spec(Shard(1), (8, 16, 64), "model", ("data",), {"data": 2}) == ("data", "model", None)``
     An explicit spec (a tuple of axes, from rule lists) is used as it is.
@@ -114,7 +114,7 @@ def activation_spec(placement: Placement | Spec, shape: tuple[int, ...], tp_axis
     if ndim == 0:
         return ()
     spec[0] = spec_entry(batch_split(shape[0], batch_axes, sizes))
-    if ndim >= 3:
+    if ndim == 3:
         spec[1] = spec_entry(sequence_axes(sizes, shape[1]))
     if isinstance(placement, Shard):
         dim = placement.dim % ndim
