@@ -70,12 +70,18 @@ def fresh_audits() -> dict:
     return json.loads(next(line[4:] for line in out.splitlines() if line.startswith("JSON")))
 
 
+def _routed(fresh: dict) -> dict:
+    """A plain script's audit (jaxlib's route) without the peak memory that only that route reports."""
+    assert fresh["temp_bytes_per_device"] > 0  # XLA's buffer assignment, read from jaxlib's compile
+    return {**fresh, "temp_bytes_per_device": None}
+
+
 def test_hf_auto_audit_from_a_plain_script_equals_the_in_process_audit(fresh_audits):
     mesh = xla_tp.make_mesh(data=2, model=4)
     torch.manual_seed(0)
     model = xla_tp.parallelize_xla(registry.build("llama"), "auto", mesh=mesh)
     here = xla_tp.audit(model, registry.example_input("llama").to(torch_xla.device()), mesh=mesh)
-    assert fresh_audits["llama"] == {**here.to_dict(), "notes": None}
+    assert _routed(fresh_audits["llama"]) == {**here.to_dict(), "notes": None}
     assert here.comm_ratio == 1.0 and here.compute_balance == 1.0
     assert any("jaxlib" in note for note in fresh_audits["llama notes"])
 
@@ -88,7 +94,7 @@ def test_gpt2_auto_backward_audit_from_a_plain_script_leaves_the_model_alone(fre
 
 
 def test_torch_model_in_several_calls_audits_from_a_plain_script(fresh_audits, titan_single_call):
-    assert fresh_audits["titan"] == titan_single_call[2]
+    assert _routed(fresh_audits["titan"]) == titan_single_call[2]
 
 
 def test_plain_script_audit_surfaces_the_models_error_and_explains_a_missing_jaxlib(fresh_audits):
