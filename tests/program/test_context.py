@@ -61,12 +61,16 @@ def test_the_audit_counts_the_context_gathers_and_the_sequence_split():
     assert bwd.compute_balance == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("seq", [512, pytest.param(8192, marks=pytest.mark.complete)])
-def test_forward_and_backward_on_context_4_x_model_2_equal_the_cpu_model(seq):
-    ref = tiny_llama(0, max_position_embeddings=seq, **HEADS)
+@pytest.mark.parametrize("seq,batch,layers", [
+    (512, 2, 2), pytest.param(8192, 2, 1, marks=pytest.mark.complete),
+    pytest.param(512, 1, 1, marks=pytest.mark.xfail(strict=True, reason=(
+        "known defect (issue 31): with one sequence in the batch and the sequence split over context, transformers' "
+        "loss (labels=) differs from the CPU model's by ~3e-3 while the logits are exact; batch 2 is exact")))])
+def test_forward_and_backward_on_context_4_x_model_2_equal_the_cpu_model(seq, batch, layers):
+    ref = tiny_llama(0, max_position_embeddings=seq, num_hidden_layers=layers, **HEADS)
     model = copy.deepcopy(ref)
     xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(context=4, model=2))
-    ids = torch.randint(0, 128, (2, seq))
+    ids = torch.randint(0, 128, (batch, seq))
     dev = torch_xla.device()
     loss = model(input_ids=ids.to(dev), labels=ids.to(dev)).loss
     loss.backward()
