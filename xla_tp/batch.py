@@ -6,9 +6,12 @@ size is dimension 0 of the *main* input: the one the model names (``main_input_n
 passed, else the first tensor passed by position, else the first tensor passed by keyword. The main
 input is split, and so is every floating-point input whose dimension 0 has that size (a diffusion
 model's encoder states and latents, a second embedding), except what only positions a sequence
-(``cache_position``). Integer and boolean side inputs (attention masks, position and token-type ids,
-labels) are left to the compiler, which splits them as the values they meet: split before the model
-builds a mask from them (a gather indexed by positions), GSPMD moves the mask between devices.
+(``cache_position``), and the ``labels``, which meet the outputs split as the main input. Other integer
+and boolean side inputs (attention masks, position and token-type ids) are left to the compiler, which
+splits them as the values they meet: split before the model builds a mask from them (a gather indexed by
+positions), GSPMD moves the mask between devices. (Labels left to the compiler are miscompiled under a
+sequence split: with one row of batch, GSPMD partitions transformers' ``F.pad(labels, (0, 1))[..., 1:]``
+shift as if unshifted, reading each token's own id.)
 
 The batch is split over the batch axes (``data``, ``fsdp``, ``expert``) when it divides their
 devices. When it does not, the next best split is taken: the largest group of those axes it
@@ -17,9 +20,10 @@ divides (``data=2 x fsdp=2`` with a batch of 6 splits over ``data`` alone), else
 
 >>> import torch
 >>> ids, states = torch.zeros(4, 16, dtype=torch.long), torch.zeros(4, 7, 32)
->>> inputs = {"input_ids": ids, "attention_mask": ids.clone(), "encoder_hidden_states": states, "cache_position": states[0, 0]}
+>>> inputs = {"input_ids": ids, "attention_mask": ids.clone(), "encoder_hidden_states": states,
+...           "cache_position": states[0, 0], "labels": ids.clone()}
 >>> [key for key, _ in batch_inputs((), inputs, "input_ids")]
-['input_ids', 'encoder_hidden_states']
+['input_ids', 'encoder_hidden_states', 'labels']
 >>> batch_split(4, ("data", "fsdp"), {"data": 2, "fsdp": 2}), batch_split(6, ("data", "fsdp"), {"data": 2, "fsdp": 2})
 (('data', 'fsdp'), ('data',))
 """
@@ -31,6 +35,7 @@ from typing import Any, Iterator, Mapping, Optional, Union
 import torch
 
 POSITION_ONLY = ("cache_position",)  # Hugging Face inputs that position a sequence and never carry the batch
+LIKE_MAIN = ("labels",)               # integer inputs split as the main input: they meet its outputs
 
 
 def main_input(args: tuple, kwargs: Mapping[str, Any], name: Optional[str]) -> Optional[torch.Tensor]:
@@ -49,7 +54,8 @@ def batch_inputs(args: tuple, kwargs: Mapping[str, Any],
         return
     size = main.shape[0]
     for key, x in itertools.chain(enumerate(args), kwargs.items()):
-        if x is main or _batched(x) and x.shape[0] == size and key not in POSITION_ONLY and x.is_floating_point():
+        side = _batched(x) and x.shape[0] == size and key not in POSITION_ONLY
+        if x is main or side and (x.is_floating_point() or key in LIKE_MAIN):
             yield key, x
 
 
