@@ -140,6 +140,11 @@ EFFECTS: tuple[Effect, ...] = (
            "on XLA each read executes the pending graph, so one forward (a generation step) compiles as three "
            "programs: for XLA tensors the mask is kept, unread", replace("transformers.masking_utils._ignore_causal_mask_sdpa",
                                                                         f"{_ENTRY}:keep_causal_mask")),
+    Effect("hf_gqa_sdpa", "transformers.integrations.sdpa_attention.use_gqa_in_sdpa", "transformers 5.23.0",
+           "with a mask it has grouped keys and values repeated before SDPA (repeat_kv's reshape merging heads), "
+           "which GSPMD lays out with all-to-alls under a context split; xla_tp's SDPA takes the groups with any "
+           "mask (True for XLA tensors inside a parallelized forward)",
+           replace("transformers.integrations.sdpa_attention.use_gqa_in_sdpa", f"{_ENTRY}:gqa_in_sdpa")),
     Effect("save_pretrained", "transformers.PreTrainedModel.save_pretrained", "transformers 5.23.0 / torch_xla 2.9.0",
            "safetensors reads an XLA tensor's storage pointer and fails; a parallelized model is saved from "
            "host copies", replace("transformers.PreTrainedModel.save_pretrained",

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch_xla
 import torch.nn.functional as F
+import transformers
 
 import xla_tp
 from xla_tp.auditing.capture import capture_partitioned_hlo
@@ -59,6 +60,28 @@ def test_the_audit_counts_the_context_gathers_and_the_sequence_split():
     bwd = xla_tp.audit(model, input_ids=ids, backward=True)
     assert {k: v["count"] for k, v in bwd.collectives.items()} == {k: v["count"] for k, v in bwd.expected.items()}
     assert bwd.compute_balance == pytest.approx(1.0)
+
+
+def test_a_padding_mask_by_keyword_costs_no_all_to_all():
+    """transformers' SDPA route with an attention mask (a left-padded row): grouped keys and values reach
+    xla_tp's attention unrepeated, so the gather is the only collective of the sequence (repeat_kv's reshape
+    on a split sequence cost 4 all-to-alls per layer)."""
+    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
+                                   max_position_embeddings=256, **HEADS)
+    torch.manual_seed(0)
+    ref = transformers.Qwen2ForCausalLM(cfg)
+    model = copy.deepcopy(ref)
+    xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(context=4, model=2))
+    ids = torch.randint(0, 128, (2, 256))
+    mask = torch.ones_like(ids)
+    mask[1, :17] = 0
+    dev = torch_xla.device()
+    out = model(input_ids=ids.to(dev), attention_mask=mask.to(dev)).logits
+    hlo = capture_partitioned_hlo([out])
+    assert (out.cpu() - ref(input_ids=ids, attention_mask=mask).logits).abs().max() < 1e-4
+    assert "all-to-all" not in collectives_of(hlo) and len(_gathered(hlo)) == 4
+    report = xla_tp.audit(model, input_ids=ids.to(dev), attention_mask=mask.to(dev))
+    assert report.comm_ratio == pytest.approx(1.0) and report.compute_balance == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("seq,batch,layers", [

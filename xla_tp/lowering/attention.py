@@ -94,7 +94,7 @@ def einsum_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, att
     heads = as_kv_heads(key)  # one key/value block copied per device: a key/value head each
     if heads is not key:
         key, value, enable_gqa = heads, as_kv_heads(value), True
-    query, key, value = context_split(query, key, value)
+    query, key, value, attn_mask = context_split(query, key, value, attn_mask)
     if enable_gqa:
         key, value = _repeat_heads(key, query.shape[-3]), _repeat_heads(value, query.shape[-3])
     scores = torch.einsum("...qd,...kd->...qk", query, key)

@@ -10,7 +10,7 @@ keeps them); and an embedding lookup, whose ids XLA flattens the same way and wh
 would lay out from the table (``split_sequence``). Elsewhere (no context axis, a sequence the axis does not
 divide, one decoded token) each returns its inputs. Example (inside a parallelized forward on ``make_mesh(context=4, model=2)``)::
 
-    q, k, v = context_split(q, k, v)   # q: [b, h, s/4 per device, d]; k, v: [b, h, s, d] on every device
+    q, k, v, mask = context_split(q, k, v, mask)   # q, mask rows: s/4 per device; k, v: all s on every device
 """
 from __future__ import annotations
 
@@ -98,28 +98,40 @@ def split_sequence(x: torch.Tensor) -> torch.Tensor:
     return sharder.constrain(x, (spec_entry(batch), spec_entry(seq), *[None] * (x.dim() - 2)))
 
 
-def context_split(query: torch.Tensor, key: torch.Tensor,
-                  value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _heads(t: torch.Tensor, tp: str, sizes: dict) -> Optional[str]:
+    """The tensor-parallel axis for ``t``'s heads (dimension 1) where it divides them."""
+    return tp if sizes.get(tp, 1) > 1 and t.shape[1] % sizes[tp] == 0 else None
+
+
+def context_split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """On a mesh with a context axis (context parallelism), each device's block of queries (the sequence
     split over the axis) against every key and value: keys and values gathered over the axis (their
     gradients reduce-scattered back), heads split over the tensor-parallel axis where they divide it.
-    Each device's score block is ``[queries / context, keys]``. Unchanged elsewhere (no context axis, a
-    query length it does not divide, e.g. one decoded token)."""
+    Each device's score block is ``[queries / context, keys]``; a ``[batch, heads or 1, queries, keys]``
+    mask's rows are split as the queries (else GSPMD lays it out against them with all-to-alls). Returns
+    ``(query, key, value, mask)``, unchanged elsewhere (no context axis, a query length it does not
+    divide, e.g. one decoded token)."""
     found = _context(query, 2) if query.dim() == 4 else None
     if found is None:
-        return query, key, value
+        return query, key, value, mask
     sharder, batch, seq, tp = found
     sizes = sharder.sizes
 
     def heads(t: torch.Tensor) -> Optional[str]:
-        return tp if sizes.get(tp, 1) > 1 and t.shape[1] % sizes[tp] == 0 else None
+        return _heads(t, tp, sizes)
+    split_before = bool(sequence_axes(sizes, key.shape[2]))  # keys as long as the queries: split before
     whole = [sharder.constrain(t, (spec_entry(batch), heads(t), None, None)) for t in (key, value)]
     record = _gathers.value
-    if record is not None and sequence_axes(sizes, key.shape[2]):  # keys as long as the queries: split before
+    if record is not None and split_before:
         split = ways(batch, sizes) * ways((tp,) if heads(key) else (), sizes)
         for t in (key, value):
             record(t.numel() // split, ways(seq, sizes), t.dtype, t.requires_grad)
-    return sharder.constrain(query, (spec_entry(batch), heads(query), spec_entry(seq), None)), whole[0], whole[1]
+    query = sharder.constrain(query, (spec_entry(batch), heads(query), spec_entry(seq), None))
+    if mask is not None and mask.dim() == 4 and mask.shape[2] == query.shape[2] and sharder.applies(mask):
+        rows = spec_entry(batch) if mask.shape[0] == query.shape[0] else None
+        mask = sharder.constrain(mask, (rows, heads(mask) if mask.shape[1] > 1 else None, spec_entry(seq), None))
+    return query, whole[0], whole[1], mask
 
 
 @contextlib.contextmanager

@@ -197,6 +197,19 @@ def keep_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
     return unread
 
 
+def gqa_in_sdpa(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' ``use_gqa_in_sdpa``: True for XLA tensors inside a parallelized forward (xla_tp's SDPA
+    takes grouped keys and values with any mask, repeating them after a context split's gather); with a mask
+    transformers would repeat them first (``repeat_kv``), a reshape GSPMD lays out with all-to-alls when the
+    sequence is split over a context axis."""
+    @functools.wraps(original)
+    def grouped(attention_mask: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> bool:
+        if scope.inside() and _is_xla(key) and key.shape[-1] == value.shape[-1]:
+            return True
+        return original(attention_mask, key, value, *args, **kwargs)
+    return grouped
+
+
 _MATMUL = _when_lowering(_matmul)
 HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.scaled_dot_product_attention: _when_lowering(_sdpa),
