@@ -108,6 +108,7 @@ def test_context_axis_by_name_alias_and_device_mesh():
     assert tuple(xla_tp.make_mesh(model=8).axis_names) == ("data", "fsdp", "model")  # only when asked for
     world = xla_tp.init_device_mesh("xla", (1, 4, 2), mesh_dim_names=("dp", "cp", "tp"))
     model = tiny_llama(0, max_position_embeddings=256, **HEADS)
+    assert "context: the sequence split 4 ways" in xla_tp.plan_for(model, mesh=mesh).explain(model)
     xla_tp.parallelize_xla(model, "auto", mesh=world)
     out = model(input_ids=torch.randint(0, 128, (1, 256)).to(torch_xla.device())).logits
     assert _gathered(capture_partitioned_hlo([out])) == [(1, 1, 256, 16)] * 4

@@ -127,6 +127,10 @@ def test_mesh_and_batch_are_checked_against_the_slice():
         check_for_topology(load_recipe("tiny-llama-cpu", ["mesh={model: 4}"]), topo)
     with pytest.raises(LaunchError, match=r"batch=6 does not divide over data x fsdp = 4"):
         check_for_topology(load_recipe("tiny-llama-cpu", ["mesh={data: 4, model: 2}", "batch=6"]), topo)
+    with pytest.raises(LaunchError, match=r"seq_len=62 does not divide over context = 4 .*use a multiple of 4"):
+        check_for_topology(load_recipe("tiny-llama-cpu", ["mesh={context: 4, model: 2}", "seq_len=62"]), topo)
+    assert check_for_topology(load_recipe("tiny-llama-cpu", ["mesh={context: 4, model: 2}", "seq_len=64"]),
+                              topo) == {"context": 4, "model": 2}
 
 
 def test_model_typos_are_named():

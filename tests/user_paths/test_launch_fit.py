@@ -8,7 +8,7 @@ import pytest
 import xla_tp
 from xla_tp import cli
 from xla_tp.launch import load_recipe, load_topology
-from xla_tp.launch.fit import FitSettings, estimate, suggest
+from xla_tp.launch.fit import FitSettings, estimate, human, suggest
 from xla_tp.launch.model import build_model, hf_config, model_shape
 from xla_tp.launch.plans import plan_input, plan_specs
 from xla_tp.launch.session import estimator
@@ -99,6 +99,40 @@ def test_suggestions_name_overrides_that_fit(tiny):
     assert tips[2].startswith("mesh={fsdp: 8}")        # 8-way batch split beats data=2 x model=4 here
     assert tips[3].startswith("batch=") and tips[3].endswith("(fits)")
     assert all(" per chip" in t for t in tips)
+
+
+def test_a_context_axis_splits_the_tokens_and_gathers_keys_and_values(tiny):
+    recipe, shape, meta = tiny
+    mesh = xla_tp.make_mesh(context=2, model=4)
+    planned = plan_specs(meta, plan_input(recipe), mesh)
+    report = estimate(meta, planned.specs, mesh, shape, FitSettings("fp32", "adamw", 0.0, 8, 16, False),
+                      load_topology("v5e-8"))
+    # As the hand computation above, the tokens split over context instead of data (8*16/2 = 64 per chip);
+    # keys and values are the whole sequence's on every chip: attention 2*(4*16)*4/4 + 2*2*(4*16)*4/4 = 384.
+    assert report.tokens_per_chip == 64
+    assert report.activations == 64 * (2 * (1536 + 384 + 128 + 512) + 256 + 768)
+    odd = estimate(meta, planned.specs, mesh, shape, FitSettings("fp32", "adamw", 0.0, 8, 15, False),
+                   load_topology("v5e-8"))
+    assert odd.tokens_per_chip == 8 * 15            # a length the axis does not divide stays whole
+
+
+def test_long_sequences_are_suggested_a_context_axis(tiny):
+    """One sequence of 8k tokens on 8 chips, a model of 4 heads: past model=4 neither the batch nor the heads
+    split further, the sequence does. The search covers every fsdp x context x model mesh."""
+    recipe, shape, meta = tiny
+    mesh = xla_tp.make_mesh(model=8)
+    planned = plan_specs(meta, plan_input(recipe), mesh)
+    long = FitSettings("bf16", "adamw", 0.0, 1, 8192, True)
+    topo = load_topology("v5e-8")
+    report = estimate(meta, planned.specs, mesh, shape, long, topo)
+    each = estimator(meta, plan_input(recipe), shape, long, topo)
+    totals = {str(m): each(m).total for m in ({"context": 8}, {"context": 4, "model": 2}, {"context": 2, "model": 4})}
+    best = min(totals, key=totals.get)
+    assert best == "{'context': 8}" and totals[best] < report.total
+    small = type(topo)(**{**vars(topo), "hbm_gib_per_chip": (totals[best] + report.total) / 2 / 2**30 / 0.9})
+    report = estimate(meta, planned.specs, mesh, shape, long, small)
+    tips = suggest(report, shape, 8, estimator(meta, plan_input(recipe), shape, long, small))
+    assert tips == [f"mesh={{context: 8}}: {human(totals[best])} per chip (fits)"]
 
 
 def test_70b_on_v5e_8_is_refused_with_numbers(capsys):

@@ -7,12 +7,14 @@ Per chip, from the plan's per-parameter specs on the mesh (parameters on ``meta`
 - optimizer state: AdamW/Adam keep 2 states per parameter, SGD with momentum 1, plain SGD 0,
   each the parameter's shard and dtype;
 - activations kept for the backward pass, per token on the chip (``batch * seq_len`` over the
-  ``data x fsdp`` axes), ``a`` bytes per activation element, ``tp`` the model axis:
+  ``data x fsdp`` axes and, when it divides ``seq_len``, the ``context`` axis ``cp``), ``a`` bytes per
+  activation element, ``tp`` the model axis:
 
   - per layer: two norms (fp32 input and normalised value, output: ``2 * h * (8 + a)``),
-    rotated q plus k and v repeated to every head plus the attention output (``4 * heads *
-    head_dim * a / tp``), softmax probabilities in fp32 and their cast copy (``heads * seq_len *
-    (4 + a) / tp``), the MLP's gate, up, activation and product (``4 * intermediate * a / tp``); an MoE
+    rotated q plus the attention output (``2 * heads * head_dim * a / tp``), k and v repeated to every
+    head, gathered over the context axis (``2 * cp * heads * head_dim * a / tp``: each chip holds the
+    whole sequence's), softmax probabilities in fp32 and their cast copy (``heads * seq_len *
+    (4 + a) / tp``: each query against every key), the MLP's gate, up, activation and product (``4 * intermediate * a / tp``); an MoE
     layer, dropless (the default), runs each token's rows, a row being the dispatched token and its
     expert's gate, up, activation and product (``(hidden + 4 * expert_intermediate) * a / tp``): on TPU
     (``moe_route="grouped"``: sorted by expert, grouped matmuls) ``top_k`` rows per token plus the
@@ -46,7 +48,7 @@ from typing import Callable, Mapping, Optional
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
-from ..axes import batch_ways
+from ..axes import batch_ways, sequence_axes
 from ..plan.layout import Spec
 from ..plan.table import local_shape
 from .model import ModelShape
@@ -167,8 +169,8 @@ def _without(axis, name: str):
 def activation_bytes(shape: ModelShape, settings: FitSettings, mesh: Mapping[str, int]) -> tuple[int, int]:
     """(activation bytes per chip, tokens per chip), by the formula in the module docstring."""
     a = BYTES[settings.precision]
-    tp = mesh.get("model", 1)
-    tokens = settings.batch * settings.seq_len // batch_ways(mesh)
+    tp, cp = mesh.get("model", 1), context_ways(mesh, settings.seq_len)
+    tokens = settings.batch * settings.seq_len // (batch_ways(mesh) * cp)
     attn = shape.heads * shape.head_dim
     mlp, live = 4 * shape.intermediate * a / tp, 0.0
     if shape.experts:  # the rows of its tokens: each a dispatched token and its gate, up, activation and product
@@ -177,10 +179,15 @@ def activation_bytes(shape: ModelShape, settings: FitSettings, mesh: Mapping[str
             mlp, live = shape.top_k * 12, shape.top_k * GROUPED_PADDING * row
         else:
             mlp = shape.experts * row
-    layer = 2 * shape.hidden * (8 + a) + 4 * attn * a / tp + shape.heads * settings.seq_len * (4 + a) / tp + mlp
+    layer = 2 * shape.hidden * (8 + a) + (2 + 2 * cp) * attn * a / tp + shape.heads * settings.seq_len * (4 + a) / tp + mlp
     layers = shape.layers * shape.hidden * a + layer if settings.activation_checkpointing else shape.layers * layer
     once = shape.hidden * a + shape.vocab / tp * (a + 8) + live
     return int(tokens * (layers + once)), tokens
+
+
+def context_ways(mesh: Mapping[str, int], seq_len: int) -> int:
+    """How many ways a sequence of ``seq_len`` tokens is split: the context axis where it divides it."""
+    return math.prod(mesh[a] for a in sequence_axes(mesh, seq_len))
 
 
 def estimate(model: nn.Module, specs: Mapping[str, Spec], mesh: xs.Mesh, shape: ModelShape,
@@ -238,21 +245,32 @@ def suggest(report: FitReport, shape: ModelShape, chips: int,
         return lines + [f"all of these together (smallest batch): {human(combined.total)} per chip (fits)"]
     state = (combined.params + combined.grads + combined.optimizer) * chips
     need = math.ceil(state / combined.usable) if combined.usable else chips
+    if need <= chips:  # the activations are what does not fit
+        return lines + [f"nothing fits {chips} chips: at seq_len={combined.settings.seq_len} the activations alone "
+                        f"are {human(combined.activations)} per chip on mesh {_flow(combined.mesh)} at the smallest "
+                        f"batch; use a shorter seq_len, or a larger slice for a larger context axis"]
     return lines + [f"nothing fits {chips} chips: parameters, gradients and optimizer state alone are "
                     f"{human(state)} in bf16, {need} or more chips of this type before any activation; use a larger slice"]
 
 
 def _best_mesh(report: FitReport, shape: ModelShape, chips: int,
                remesh: Callable[[dict[str, int]], FitReport]) -> Optional[FitReport]:
-    """The lowest-memory ``fsdp x model`` mesh over all chips (model axis dividing the heads)."""
+    """The lowest-memory ``fsdp x context x model`` mesh over all chips: the model axis dividing the heads,
+    the context axis the sequence, the fsdp axis the batch. A context axis only cuts activations: it is
+    tried when they are most of the memory (each mesh tried is planned)."""
     best = None
+    seq, batch = report.settings.seq_len, report.settings.batch
+    long = report.activations > report.params + report.grads + report.optimizer
     for model in (m for m in range(1, chips + 1) if chips % m == 0 and shape.heads % m == 0):
-        mesh = {"fsdp": chips // model, "model": model} if chips // model > 1 else {"model": model}
-        if mesh == report.mesh or report.settings.batch % (chips // model):
-            continue
-        candidate = remesh(mesh)
-        if best is None or candidate.total < best.total:
-            best = candidate
+        for context in (c for c in range(1, (chips // model if long else 1) + 1)
+                        if (chips // model) % c == 0 and seq % c == 0):
+            fsdp = chips // (model * context)
+            mesh = {k: v for k, v in (("fsdp", fsdp), ("context", context), ("model", model)) if v > 1}
+            if mesh == report.mesh or batch % fsdp:
+                continue
+            candidate = remesh(mesh or {"model": 1})
+            if best is None or candidate.total < best.total:
+                best = candidate
     return best if best is not None and best.total < report.total else None
 
 

@@ -197,6 +197,10 @@ def check_for_topology(recipe: Recipe, topology: Topology) -> dict[str, int]:
     if recipe.batch % ways:
         raise LaunchError(f"{recipe.path}: batch={recipe.batch} does not divide over data x fsdp = {ways} "
                           f"(mesh {mesh}); use a multiple of {ways}")
+    context = mesh.get("context", 1)
+    if recipe.seq_len % context:
+        raise LaunchError(f"{recipe.path}: seq_len={recipe.seq_len} does not divide over context = {context} "
+                          f"(mesh {mesh}): the sequence would stay whole; use a multiple of {context}")
     return mesh
 
 

@@ -93,8 +93,18 @@ def explain(model: nn.Module, plan: Mapping, mesh: Any, tp_axis: str = "model") 
              "replicated:" if replicated else "replicated: nothing",
              *_grouped({n: replicated.get(n, "") for n in names if n in replicated}),
              *_choices(plan, axes.get(tp_axis, 1)),
+             *_context_line(axes),
              "parameters:", format_table(rows),
              f"per device: {per_device} bytes of {total} total (ideal total/{tp} = {total // tp}; ratio "
              f"{per_device / max(total / tp, 1):.2f}); padding of uneven dimensions: {padding} bytes over all devices"]
     return "\n".join(lines)
 
+
+def _context_line(axes: Mapping[str, int]) -> list[str]:
+    """What a context axis does, which no parameter's spec shows."""
+    ways = axes.get("context", 1)
+    if ways == 1:
+        return []
+    return [f"context: the sequence split {ways} ways over the context axis (a length it divides); attention "
+            f"gathers keys and values over it, each device's queries against all of them; weights replicated "
+            f"over it, their gradients reduced over it"]
