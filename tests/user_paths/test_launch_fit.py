@@ -73,12 +73,16 @@ def test_fit_numbers_match_a_hand_computation(tiny):
         assert row in table
 
 
-def test_fsdp_adds_the_largest_gathered_block(tiny):
+def _fp32(tiny, mesh, seq_len: int = 16):
+    """The tiny recipe's fit report on ``mesh``: fp32, AdamW, batch 8, no checkpointing, a v5e-8."""
     recipe, shape, meta = tiny
-    mesh = xla_tp.make_mesh(fsdp=2, model=4)
-    planned = plan_specs(meta, plan_input(recipe), mesh)
-    report = estimate(meta, planned.specs, mesh, shape, FitSettings("fp32", "adamw", 0.0, 8, 16, False),
-                      load_topology("v5e-8"))
+    specs = plan_specs(meta, plan_input(recipe), mesh).specs
+    return estimate(meta, specs, mesh, shape, FitSettings("fp32", "adamw", 0.0, 8, seq_len, False),
+                    load_topology("v5e-8"))
+
+
+def test_fsdp_adds_the_largest_gathered_block(tiny):
+    report = _fp32(tiny, xla_tp.make_mesh(fsdp=2, model=4))
     # Largest block gathered over fsdp, still split over model: a decoder layer, 40960/4 + 128 elements,
     # beats the embedding (256*64/4 = 4096).
     assert report.gathered == (40960 // 4 + 128) * 4
@@ -102,18 +106,13 @@ def test_suggestions_name_overrides_that_fit(tiny):
 
 
 def test_a_context_axis_splits_the_tokens_and_gathers_keys_and_values(tiny):
-    recipe, shape, meta = tiny
     mesh = xla_tp.make_mesh(context=2, model=4)
-    planned = plan_specs(meta, plan_input(recipe), mesh)
-    report = estimate(meta, planned.specs, mesh, shape, FitSettings("fp32", "adamw", 0.0, 8, 16, False),
-                      load_topology("v5e-8"))
+    report = _fp32(tiny, mesh)
     # As the hand computation above, the tokens split over context instead of data (8*16/2 = 64 per chip);
     # keys and values are the whole sequence's on every chip: attention 2*(4*16)*4/4 + 2*2*(4*16)*4/4 = 384.
     assert report.tokens_per_chip == 64
     assert report.activations == 64 * (2 * (1536 + 384 + 128 + 512) + 256 + 768)
-    odd = estimate(meta, planned.specs, mesh, shape, FitSettings("fp32", "adamw", 0.0, 8, 15, False),
-                   load_topology("v5e-8"))
-    assert odd.tokens_per_chip == 8 * 15            # a length the axis does not divide stays whole
+    assert _fp32(tiny, mesh, seq_len=15).tokens_per_chip == 8 * 15   # a length the axis does not divide stays whole
 
 
 def test_long_sequences_are_suggested_a_context_axis(tiny):
