@@ -62,14 +62,17 @@ def test_the_audit_counts_the_context_gathers_and_the_sequence_split():
     assert bwd.compute_balance == pytest.approx(1.0)
 
 
-def test_a_padding_mask_by_keyword_costs_no_all_to_all():
-    """transformers' SDPA route with an attention mask (a left-padded row): grouped keys and values reach
-    xla_tp's attention unrepeated, so the gather is the only collective of the sequence (repeat_kv's reshape
-    on a split sequence cost 4 all-to-alls per layer)."""
-    cfg = transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=128,
-                                   max_position_embeddings=256, **HEADS)
+@pytest.mark.parametrize("family", ["Qwen2", "Gemma2"])
+def test_a_padding_mask_by_keyword_costs_no_all_to_all(family):
+    """An attention mask (a left-padded row) and transformers' KV cache: the key/value gathers are the only
+    collectives of the sequence, and the audit's minimum counts them. Qwen2 takes the SDPA route (grouped
+    keys and values reach xla_tp's attention unrepeated); Gemma 2 its eager attention (split at the
+    attention function's entry, before repeat_kv). Either way repeat_kv's reshape on a split sequence cost
+    4 all-to-alls per layer."""
+    cfg = getattr(transformers, f"{family}Config")(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                   vocab_size=128, max_position_embeddings=256, head_dim=16, **HEADS)
     torch.manual_seed(0)
-    ref = transformers.Qwen2ForCausalLM(cfg)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg)
     model = copy.deepcopy(ref)
     xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(context=4, model=2))
     ids = torch.randint(0, 128, (2, 256))

@@ -32,6 +32,7 @@ class _Slot(threading.local):
 
 
 _gathers = _Slot()  # the audit's recorder of key/value gathers
+_split = _Slot()    # True inside an attention function whose inputs were split at its entry (``split_attention``)
 _ambient = _Slot()  # a context_parallel block's (sharder, batch axes, tensor-parallel axis)
 
 
@@ -123,7 +124,7 @@ def context_split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     split_before = bool(sequence_axes(sizes, key.shape[2]))  # keys as long as the queries: split before
     whole = [sharder.constrain(t, (spec_entry(batch), heads(t), None, None)) for t in (key, value)]
     record = _gathers.value
-    if record is not None and split_before:
+    if record is not None and split_before and not _split.value:
         split = ways(batch, sizes) * ways((tp,) if heads(key) else (), sizes)
         for t in (key, value):
             record(t.numel() // split, ways(seq, sizes), t.dtype, t.requires_grad)
@@ -132,6 +133,22 @@ def context_split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         rows = spec_entry(batch) if mask.shape[0] == query.shape[0] else None
         mask = sharder.constrain(mask, (rows, heads(mask) if mask.shape[1] > 1 else None, spec_entry(seq), None))
     return query, whole[0], whole[1], mask
+
+
+@contextlib.contextmanager
+def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    mask: Optional[torch.Tensor]) -> Iterator[tuple[torch.Tensor, ...]]:
+    """``context_split`` at the entry of a model's own attention function (transformers' eager attention:
+    ``repeat_kv`` and two matmuls, which no ``context_split`` inside sees), before it touches its inputs.
+    Yields ``(query, key, value, mask)``; a ``context_split`` inside the block does not count the gathers
+    again."""
+    split = context_split(query, key, value, mask)
+    previous = _split.value
+    _split.value = split[1] is not key
+    try:
+        yield split
+    finally:
+        _split.value = previous
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from torch import nn
 
 from ..dataflow.graph import Graph, Node
 from ..state import ModelState, all_states, param_state
-from . import scope
+from . import context, scope
 from ..weak import ByModule
 from .embedding import lookup
 from .entry import ATTENTION_OPS, WEIGHT_OPS, linear as entry_linear
@@ -209,14 +209,20 @@ class _InterfaceOwned:
 def attention_interface(original: Any) -> Any:
     """``AttentionInterface.get_interface`` (a ``compat`` effect): the function it returns runs inside the
     lowering mode when its module is a parallelized model's attention (``install``); untouched otherwise."""
-    def in_mode(function: Any) -> Any:
+    def in_mode(function: Any, implementation: str) -> Any:
+        def split(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if implementation == "sdpa" or len(args) < 4 or not all(isinstance(a, torch.Tensor) for a in args[:3]):
+                return function(module, *args, **kwargs)  # SDPA splits a context itself (attention.sdpa)
+            with context.split_attention(*args[:4]) as inputs:
+                return function(module, *inputs, *args[4:], **kwargs)
+
         def attention(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            if module not in _INTERFACE_OWNED:
-                return function(module, *args, **kwargs)
+            if module not in _INTERFACE_OWNED:  # in the mode of its whole module, or not parallelized
+                return split(module, *args, **kwargs) if scope.lowering() else function(module, *args, **kwargs)
             enter, leave = _MODE_HOOKS
             enter(module, ())
             try:
-                return function(module, *args, **kwargs)
+                return split(module, *args, **kwargs)
             finally:
                 leave(module, (), None)
         return attention
@@ -225,7 +231,7 @@ def attention_interface(original: Any) -> Any:
     def get_interface(self: Any, attn_implementation: str, default: Any) -> Any:
         # a new closure per call, not a cache: torch.compile guards on a cache's contents, and the first compiled
         # call filling it would recompile the next one
-        return in_mode(original(self, attn_implementation, default))
+        return in_mode(original(self, attn_implementation, default), attn_implementation)
     return get_interface
 
 
