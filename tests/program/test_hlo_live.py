@@ -85,8 +85,10 @@ except RuntimeError as error:
 
 @pytest.mark.parametrize("spmd, queried, expected", [
     (True, False, "route device False"),  # torch_xla's own compiler, asked for at the first HLO query; env as it was
-    (True, True, "route jaxlib False"),   # torch_xla read the variable unset before: jaxlib's XLA partitions it
-    (False, False, "use_spmd()"),          # SPMD never turned on: refused, with what to do
+    pytest.param(True, True, "route jaxlib False",  # torch_xla read the variable unset before: jaxlib's XLA
+                 marks=pytest.mark.complete),        # partitions it
+    pytest.param(False, False, "use_spmd()",         # SPMD never turned on: refused, with what to do
+                 marks=pytest.mark.complete),
 ])
 def test_capture_takes_the_device_compiler_unless_the_process_fixed_otherwise(spmd, queried, expected):
     script = CAPTURE_SCRIPT.format(spmd=spmd, queried=queried)
