@@ -43,23 +43,26 @@ class CompileCache:
     off: str = ""
     found: dict[str, int] = field(default_factory=dict, compare=False, repr=False)   # entry -> mtime (ns)
 
-    def written(self) -> int:
-        """Entries written since the cache started: new ones, and those rewritten (an entry the backend could
-        not load is replaced). Read from the directory: torch_xla counts no lookup for the programs
-        ``torch.compile`` captures (generation's decode step), but writes them."""
-        if self.path is None:
-            return 0
-        return sum(self.found.get(name) != mtime for name, mtime in _entries(self.path).items())
+    def changes(self) -> tuple[int, int]:
+        """(entries new since the cache started, entries there then and written again), read from the directory.
+        torch_xla writes an entry only when it has none, and replaces one only when the backend could not
+        load it; it writes the programs ``torch.compile`` captures (generation's decode step) without counting
+        their lookups (``Compiles``), so the directory is the fuller record of both."""
+        now = _entries(self.path) if self.path is not None else {}
+        new = sum(name not in self.found for name in now)
+        return new, sum(name in self.found and self.found[name] != mtime for name, mtime in now.items())
 
     def summary(self, counts: Compiles) -> str:
         """One line: programs compiled and their time, then what the cache did."""
         head = f"{counts.programs} programs compiled ({counts.seconds:.1f} s)"
         if self.path is None:
             return f"{head}; persistent cache off ({self.off})"
+        new, replaced = self.changes() if self.writes else (0, 0)     # a reader sees the writer's changes
+        unloadable = max(counts.unloadable, replaced)    # each a lower bound: uncounted lookups, a read-only process
         done = [f"{counts.loaded} loaded",
-                f"{self.written()} written" if self.writes else "none written (process 0 writes this cache)"]
-        if counts.unloadable:
-            done.append(f"{counts.unloadable} could not be loaded by this backend")
+                f"{new + replaced} written" if self.writes else "none written (process 0 writes this cache)"]
+        if unloadable:
+            done.append(f"{unloadable} could not be loaded by this backend")
         return f"{head}; persistent cache {self.path}: {', '.join(done)}"
 
 

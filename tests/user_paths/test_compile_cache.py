@@ -116,18 +116,22 @@ def test_flags_choose_the_directory_and_who_writes_it(tmp_path, monkeypatch):
         cache_from_args(flags(tmp_path, off=True), default)
 
 
-def test_the_summary_counts_entries_written_on_disk_and_a_read_only_host(tmp_path):
-    """"written" is read from the directory: new entries and rewritten ones (torch_xla counts no lookup for
-    the programs torch.compile captures, but writes them)."""
+def test_the_summary_reads_entries_written_and_replaced_from_the_directory(tmp_path):
+    """"written" and "could not be loaded" are read from the directory too (new entries; entries replaced, which
+    torch_xla does only after failing to load one): torch_xla counts no lookup for the programs torch.compile
+    captures, but writes and replaces them."""
     (tmp_path / "kept").write_bytes(b"1")
     (tmp_path / "replaced").write_bytes(b"2")
     cache = CompileCache(tmp_path, found={"kept": (tmp_path / "kept").stat().st_mtime_ns, "replaced": 0})
     (tmp_path / "new").write_bytes(b"3")
     (tmp_path / ".write-test-1").write_bytes(b"")
-    counts = Compiles(programs=7, seconds=22.94, loaded=2, missed=3, unloadable=1)
-    assert cache.summary(counts) == (f"7 programs compiled (22.9 s); persistent cache {tmp_path}: 2 loaded, 2 written, "
-                                     f"1 could not be loaded by this backend")
-    assert "2 loaded, none written (process 0 writes this cache)" in CompileCache(tmp_path, writes=False).summary(counts)
+    assert cache.changes() == (1, 1)
+    assert cache.summary(Compiles(programs=7, seconds=22.94, loaded=2, missed=3, unloadable=0)) == (
+        f"7 programs compiled (22.9 s); persistent cache {tmp_path}: 2 loaded, 2 written, 1 could not be loaded by "
+        f"this backend")
+    read_only = CompileCache(tmp_path, writes=False, found=cache.found)
+    assert read_only.summary(Compiles(7, 22.94, 2, 0, 3)).endswith("2 loaded, none written (process 0 writes this "
+                                                                   "cache), 3 could not be loaded by this backend")
 
 
 def test_print_commands_pass_the_shared_cache_to_every_worker(capsys):
