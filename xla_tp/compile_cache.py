@@ -132,9 +132,13 @@ def _xla_started() -> bool:
 
 
 def _entries(path: Path) -> dict[str, int]:
-    """The cache's entries (torch_xla names each by its program's hash) and their modification times."""
-    with os.scandir(path) as found:
-        return {e.name: e.stat().st_mtime_ns for e in found if e.is_file() and not e.name.startswith(".")}
+    """The cache's entries (torch_xla names each by its program's hash) and their modification times; none
+    when the directory is gone (deleted during the run: the summary must not fail the run)."""
+    try:
+        with os.scandir(path) as found:
+            return {e.name: e.stat().st_mtime_ns for e in found if e.is_file() and not e.name.startswith(".")}
+    except OSError:
+        return {}
 
 
 def _without(path: Path, why: str, short: str) -> CompileCache:
