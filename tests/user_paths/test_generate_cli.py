@@ -16,6 +16,7 @@ from xla_tp.launch.data import ByteTokenizer
 from xla_tp.launch.model import build_model, hf_config
 from xla_tp.launch.recipe import load_recipe
 
+from ..compile_counts import parse_summary
 from ..fresh import ROOT, user_env
 
 SMALL = ["model.overrides.num_hidden_layers=2", "model.overrides.hidden_size=64", "model.overrides.intermediate_size=128"]
@@ -35,16 +36,30 @@ def continuation(model: torch.nn.Module, new: int) -> str:
 
 
 def test_generate_streams_what_the_cpu_model_generates_from_an_hf_directory(tmp_path):
+    """... and keeps the programs it compiled in the user's cache directory (``$XDG_CACHE_HOME/xla_tp/xla_cache``):
+    one entry per program; run again, every entry is looked up (the CPU backend cannot load one: each is
+    compiled again and replaced), the captured decode step's too, which torch_xla's counters leave out."""
     model = recipe_model(seed=1)
-    model.save_pretrained(tmp_path)
-    result = subprocess.run([sys.executable, "-m", "xla_tp.cli", "generate", "--checkpoint", str(tmp_path),
-                             "--prompt", PROMPT, "--max-new-tokens", "12", *SMALL], cwd=ROOT, env=user_env(),
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout == continuation(model, 12) + "\n"
-    said = result.stderr.strip().splitlines()
-    assert said[0].startswith("xla-tp generate tiny-llama-cpu: LlamaForCausalLM on mesh data=2,model=4, weights from")
-    assert said[-1].startswith("12 tokens in ") and " tokens/s; 3 programs compiled (prompt bucket 16, cache 28 tokens" in said[-1]
+    model.save_pretrained(tmp_path / "hf")
+    cache = tmp_path / "cache" / "xla_tp" / "xla_cache"
+    lines = []
+    for _ in range(2):
+        result = subprocess.run([sys.executable, "-m", "xla_tp.cli", "generate", "--checkpoint", str(tmp_path / "hf"),
+                                 "--prompt", PROMPT, "--max-new-tokens", "12", *SMALL], cwd=ROOT,
+                                env={**user_env(), "XDG_CACHE_HOME": str(tmp_path / "cache")},
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout == continuation(model, 12) + "\n"
+        said = result.stderr.strip().splitlines()
+        assert said[0].startswith("xla-tp generate tiny-llama-cpu: LlamaForCausalLM on mesh data=2,model=4, weights from")
+        assert said[-2].startswith("12 tokens in ") and " tokens/s; 3 programs compiled (prompt bucket 16, cache 28 tokens" in said[-2]
+        lines.append(parse_summary(said[-1]))
+        if not lines[1:]:
+            files = sorted(p.name for p in cache.iterdir())
+    first, second = lines
+    assert first["path"] == str(cache) and first["written"] == first["programs"] == len(files) >= 3, first
+    assert second["loaded"] + second["unloadable"] == len(files) == second["written"], second
+    assert sorted(p.name for p in cache.iterdir()) == files
 
 
 def test_generate_from_a_checkpoint_the_launcher_saved(tmp_path, capsys):

@@ -21,6 +21,7 @@ from xla_tp.launch.recipe import DataSpec
 from xla_tp.launch.rerun import EarlierRun, rewind_metrics
 from xla_tp.launch.session import Session
 
+from ..compile_counts import COUNTERS, last_counters, parse_summary
 from ..fresh import user_env
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,3 +265,40 @@ def test_masked_batches_hide_and_score_only_masked_tokens():
 def test_byte_text_needs_a_byte_vocabulary():
     with pytest.raises(LaunchError, match=r"vocab_size >= 256"):
         Batches(DataSpec("text", "data/tiny_corpus.txt"), vocab=128, batch=2, seq_len=8, seed=0, task="causal-lm")
+
+
+def _launch_counted(*args: str) -> tuple[str, dict, dict]:
+    """``xla-tp launch`` in a fresh process, then torch_xla's own counters printed by that process: (stdout, the
+    summary line parsed, the counters)."""
+    script = "import sys\nfrom xla_tp import cli\nstatus = cli.main(sys.argv[1:])\n" + COUNTERS + "\nsys.exit(status)"
+    run = subprocess.run([sys.executable, "-c", script, "launch", *args], cwd=ROOT, env=user_env(),
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run.stdout, parse_summary(run.stdout), last_counters(run.stdout)
+
+
+def test_a_repeated_run_looks_up_the_programs_the_first_compiled(tmp_path):
+    """The same run twice into one --run-dir: the first writes one entry per program it compiled into
+    RUN_DIR/xla_cache (files = "written" = torch_xla's misses); the second looks every entry up (a TPU loads
+    them; the CPU backend cannot, and says so) with the line's figures equal to torch_xla's counters. With
+    --no-compile-cache a third compiles and writes nothing to it."""
+    run_dir = tmp_path / "run"
+    cache = run_dir / "xla_cache"
+    common = ["tiny-llama-cpu", "--no-audit", "--run-dir", str(run_dir), "steps=1", *SMALL]
+    _, first, counters = _launch_counted(*common)
+    files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+    assert first["path"] == str(cache) and first["programs"] == counters["CompileTime"]
+    assert (first["loaded"], first["written"], first["unloadable"]) == (0, len(files), 0)
+    assert len(files) == counters["PersistentCacheMiss"] > 0
+
+    _, second, counters = _launch_counted(*common, "--overwrite")
+    assert second["loaded"] + second["unloadable"] == len(files)           # every entry looked up
+    assert (second["loaded"], second["unloadable"], second["programs"]) == (
+        counters["PersistentCacheHit"], counters["PersistentCacheDeserializeFailure"], counters["CompileTime"])
+    assert sorted(p.name for p in cache.iterdir()) == sorted(files)
+    files = {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+
+    _, third, counters = _launch_counted(*common, "--overwrite", "--no-compile-cache", "steps=0")   # no step: faster
+    assert third["off"] == "--no-compile-cache" and third["programs"] == counters["CompileTime"] > 0
+    assert counters["PersistentCacheMiss"] == counters["PersistentCacheDeserializeFailure"] == 0
+    assert {p.name: p.stat().st_mtime_ns for p in cache.iterdir()} == files

@@ -6,8 +6,9 @@ Hugging Face directory of safetensors (without it the weights are the model's ra
 command says so). The tokenizer is the directory's own when it has one, else the bytes of the text
 (what the launcher trains a ``data.kind: text`` recipe on). The prompt and the new text stream to
 stdout as the tokens come; stderr gets what was loaded, then the tokens per second and the programs
-compiled. Bad input (an unknown recipe, a missing checkpoint, a prompt too long for the model) is one
-line on stderr with exit status 2. Example::
+compiled, then what the persistent compilation cache supplied (``xla_tp.compile_cache``: on by default in
+``~/.cache/xla_tp/xla_cache``; ``--compile-cache DIR``, ``--no-compile-cache``). Bad input (an unknown
+recipe, a missing checkpoint, a prompt too long for the model) is one line on stderr with exit status 2. Example::
 
     xla-tp generate --prompt "The tiny corpus" --checkpoint ckpt --max-new-tokens 64
     xla-tp generate qwen3 --checkpoint ~/Qwen3-1.7B --prompt "Hello" --do-sample --temperature 0.7
@@ -15,11 +16,14 @@ line on stderr with exit status 2. Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..console import fail
+from ..compile_cache import add_cache_flags, cache_from_args
+from ..compiles import compile_counts
+from ..console import UsageError, fail, one_line_warnings
 from ..errors import CheckpointError, GenerationError, MeshError, PlanError
 
 INTERRUPTED = 130
@@ -44,6 +48,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
+    add_cache_flags(p, str(default_cache()))
     p.set_defaults(func=generate_command)
 
 
@@ -51,11 +56,19 @@ def generate_command(args: argparse.Namespace) -> int:
     """The ``generate`` subcommand; returns the exit status."""
     try:
         return _generate(args)
-    except (PlanError, MeshError, GenerationError, CheckpointError) as error:   # LaunchError is a PlanError
+    except (PlanError, MeshError, GenerationError, CheckpointError, UsageError) as error:   # LaunchError: a PlanError
         return fail("generate", error)
     except KeyboardInterrupt:
         print("xla-tp generate: interrupted", file=sys.stderr)
         return INTERRUPTED
+
+
+def default_cache() -> Path:
+    """Where generate keeps compiled programs: the user's cache directory (``$XDG_CACHE_HOME``, else
+    ``~/.cache``), ``xla_tp/xla_cache``. A generation has no run directory, and a checkpoint's directory may be
+    read-only or absent (random init); the programs depend on the model's shapes and the mesh, not on the
+    weights, so every checkpoint of one model shares them."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "xla_tp" / "xla_cache"
 
 
 def tokenizer_for(data_kind: str, checkpoint: Optional[Path], where: str) -> Any:
@@ -88,7 +101,12 @@ def _generate(args: argparse.Namespace) -> int:
     topology = load_topology(args.topology or recipe.topology)
     axes = check_for_topology(recipe, topology)
     prepare_env(topology, dry_run=False)
-    return _decode(args, recipe, topology, axes, tokenizer)
+    import torch_xla.runtime as xr
+    with one_line_warnings("generate"):
+        cache = cache_from_args(args, default_cache(), xr.process_index())
+    status = _decode(args, recipe, topology, axes, tokenizer)
+    print(cache.summary(compile_counts()), file=sys.stderr)
+    return status
 
 
 def _decode(args: argparse.Namespace, recipe: Any, topology: Any, axes: dict[str, int], tokenizer: Any) -> int:

@@ -6,7 +6,10 @@ Steps, in order; nothing heavy happens before the fit check:
 2. ``--print-commands``: print the per-worker commands of the slice and stop;
 3. a real run whose ``checkpoint.dir`` or ``--run-dir`` holds an earlier run's checkpoints or
    metrics continues it (``--resume``), moves its files aside (``--overwrite``), or is refused
-   (exit 2) saying which flag to pass (``rerun``);
+   (exit 2) saying which flag to pass (``rerun``); a real run then turns torch_xla's persistent
+   compilation cache on (``compile_cache``: ``RUN_DIR/xla_cache`` by default, ``runs/xla_cache`` without
+   ``--run-dir``; ``--compile-cache DIR`` shared by the hosts; ``--no-compile-cache``), before the first
+   XLA computation, and the run ends with the programs compiled and how many came from the cache;
 4. build the model on ``meta``, plan it on the mesh, estimate memory per chip and print the table;
    a run that will not fit is refused (exit 3) with the numbers and what would make it fit;
 5. print the plan's summary (what the audit reports about parameters, from the plan);
@@ -31,7 +34,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..console import fail, quiet_xla_warnings
+from ..compile_cache import add_cache_flags, cache_flags, cache_from_args
+from ..console import UsageError, fail, one_line_warnings, quiet_xla_warnings
 from ..errors import MeshError, PlanError
 from .recipe import DEFAULT_RECIPE, check_for_topology, load_recipe
 from .rerun import EarlierRun
@@ -60,6 +64,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="start over where an earlier run left checkpoints or metrics (they are moved aside)")
     p.add_argument("--run-dir", type=Path, help="where metrics.jsonl goes (default runs/RECIPE-TIME)")
+    add_cache_flags(p, "RUN_DIR/xla_cache; runs/xla_cache without --run-dir")
     p.add_argument("--tpu-name", default='"$TPU_NAME"', help="TPU name for --print-commands")
     p.add_argument("--zone", default='"$ZONE"', help="zone for --print-commands")
     p.add_argument("--workdir", default="~/xla_tp", help="repository checkout on the workers, for --print-commands")
@@ -84,7 +89,7 @@ def launch(args: argparse.Namespace) -> int:
     """The ``launch`` subcommand; returns the exit status. Bad input is one line on stderr, exit 2."""
     try:
         return _launch(args)
-    except (PlanError, MeshError) as error:   # LaunchError is a PlanError
+    except (PlanError, MeshError, UsageError) as error:   # LaunchError is a PlanError
         return fail("launch", error)
     except KeyboardInterrupt:                 # a second Ctrl-C during a step, or one before training
         print("xla-tp launch: interrupted", file=sys.stderr)
@@ -98,13 +103,19 @@ def _launch(args: argparse.Namespace) -> int:
     axes = check_for_topology(recipe, topology)
     if args.print_commands:
         from .commands import worker_commands
-        print("\n".join(worker_commands(recipe_arg, topology, overrides, args.tpu_name, args.zone, args.workdir)))
+        print("\n".join(worker_commands(recipe_arg, topology, [*cache_flags(args), *overrides], args.tpu_name,
+                                        args.zone, args.workdir)))
         return 0
     earlier = EarlierRun(Path(recipe.checkpoint.dir) if recipe.checkpoint.dir else None, args.run_dir)
     if not args.dry_run:
         earlier.check(args.resume, args.overwrite)
     prepare_env(topology, args.dry_run)
-    from .session import Session
+    from .session import RUNS, Session
+    cache = None
+    if not args.dry_run:             # before the first XLA computation (Session's mesh is one)
+        import torch_xla.runtime as xr
+        with one_line_warnings("launch"):
+            cache = cache_from_args(args, (args.run_dir or RUNS) / "xla_cache", xr.process_index())
     session = Session(recipe, topology, axes)
     if not args.dry_run and args.overwrite and session.process_index == 0:
         for line in earlier.move_aside():
@@ -114,7 +125,8 @@ def _launch(args: argparse.Namespace) -> int:
     if args.dry_run:
         session.say("dry run: the model stayed on meta; nothing was allocated or compiled")
         return 0
-    return session.train(run_dir=args.run_dir, check=args.check, audit=not args.no_audit, resume=args.resume)
+    return session.train(run_dir=args.run_dir, check=args.check, audit=not args.no_audit, resume=args.resume,
+                         cache=cache)
 
 
 def prepare_env(topology: Topology, dry_run: bool) -> None:

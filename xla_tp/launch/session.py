@@ -24,6 +24,8 @@ import yaml
 import xla_tp
 
 from ..axes import axis_names
+from ..compile_cache import CompileCache
+from ..compiles import compile_counts
 from ..dataflow.graph import Graph
 from .check import compare_one_step, parallelizer
 from .checkpoints import Checkpoints
@@ -39,6 +41,7 @@ from .topology import Topology
 from .train import Loop, causal_or_masked_loss, flops_per_token, make_optimizer, to_device
 
 CHECK_FAILED = 1
+RUNS = Path("runs")                    # default run directories: runs/RECIPE-TIME
 
 
 class Session:
@@ -93,12 +96,14 @@ class Session:
         return True
 
     # -- the run ------------------------------------------------------------------------------------
-    def train(self, run_dir: Optional[Path], check: bool, audit: bool, resume: bool = False) -> int:
-        """Build, (check,) parallelize, audit and train; the exit status."""
+    def train(self, run_dir: Optional[Path], check: bool, audit: bool, resume: bool = False,
+              cache: Optional[CompileCache] = None) -> int:
+        """Build, (check,) parallelize, audit and train; the exit status. At the end, the programs compiled
+        and what the persistent compilation ``cache`` (``xla_tp.compile_cache``) supplied."""
         r, t = self.recipe, self.topology
         checkpoints = Checkpoints(r, resume)
         check_devices(t)
-        run_dir = run_dir if run_dir is not None else Path("runs") / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        run_dir = run_dir if run_dir is not None else RUNS / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.reporter = Reporter(run_dir, self.process_index)
         model = build_model(self.config, r.model.task, device="cpu", dtype=self.dtype, seed=r.seed)
         if r.activation_checkpointing:
@@ -131,7 +136,9 @@ class Session:
         self.say(f"training {r.steps} steps; metrics: {run_dir / 'metrics.jsonl'}")
         loop = Loop(model, optimizer, schedule, batches, self.mesh, r, self.reporter,
                     flops_per_token(model, self.shape, r.seq_len), peak, checkpoints)
-        return loop.run(start_step=start_step)
+        status = loop.run(start_step=start_step)
+        self.say((cache or CompileCache(None, off="not turned on")).summary(compile_counts()))
+        return status
 
     def _check(self, model, batches: Batches, loss_fn) -> bool:
         inputs, targets = batches.get(0)
