@@ -18,7 +18,7 @@ CORE = ("axes", "batch", "errors", "plan", "dataflow", "planners", "validate")
 RUNTIME = ("adapters", "weak", "apply", "deferred", "state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
            "backends", "mesh", "report", "loss", "bitcast", "compiles")
 # what users call: parallelize (torch_xla, JAX), audit, checkpoints, the launcher, the CLI, the model zoo
-FRONT = ("api", "context_parallel", "backends.jax", "backends.dtensor", "auditing", "checkpoint", "launch", "console", "cli", "zoo", "generation", "__init__")
+FRONT = ("api", "context_parallel", "backends.jax", "backends.dtensor", "auditing", "checkpoint", "launch", "console", "compile_cache", "cli", "zoo", "generation", "__init__")
 ADAPTER_PACKAGES = ("torch_xla", "jax", "jaxlib", "torchax")
 MODULES: dict[str, Path] = {}
 
