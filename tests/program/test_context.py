@@ -223,3 +223,15 @@ def test_peak_temporary_memory_per_device_falls_with_the_context_axis():
     out = run_fresh("import bench.long_context as b; print([b.row(1024, c)['temp_mib'] for c in (1, 4)])")
     whole, split = eval(out.strip().splitlines()[-1])
     assert 0 < split <= 0.35 * whole  # the score blocks dominate: a quarter each
+
+
+def test_the_jax_backend_splits_the_sequence_and_its_audit_counts_the_gathers():
+    """The same plan on JAX (Shardy lays the program out): logits of the CPU model, and the audit's minimum
+    counts the key/value gathers (recorded from the torch module's SDPA calls on the mesh's context axis)."""
+    ref = tiny_llama(0, max_position_embeddings=256, **HEADS)
+    jm = xla_tp.parallelize_jax(copy.deepcopy(ref), "auto", mesh={"context": 4, "model": 2})
+    ids = torch.randint(0, 128, (2, 256))
+    assert (torch.as_tensor(jm(input_ids=ids).logits) - ref(input_ids=ids).logits).abs().max() < 1e-4
+    report = jm.audit(input_ids=ids)
+    assert report.count("all-gather") == report.expected["all-gather"]["count"] == 4
+    assert report.comm_ratio == pytest.approx(1.0) and report.compute_balance == pytest.approx(1.0)

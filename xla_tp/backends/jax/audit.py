@@ -16,8 +16,10 @@ from typing import Any, Callable
 
 import jax
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.func import functional_call
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as torch_pytree
 
 from ...auditing.hlo import dot_flops
@@ -26,6 +28,7 @@ from ...auditing.report import AuditReport
 from ...auditing.figures import report_from_hlo, set_minimum
 from ...constraints import Constrainer, register_hooks
 from ...dataflow.routing import batched_experts
+from ...lowering.context import ambient, context_split
 from ...plan.layout import Layout
 from .mesh import partition_ids
 from .program import Outputs, call_module
@@ -40,8 +43,9 @@ def audit_jax(jm: Any, args: tuple, kwargs: dict, backward: bool) -> AuditReport
     report, found = report_from_hlo(text, partition_ids(jm.mesh), tuple(jm.mesh.axis_names), backward, unsharded)
     report.param_bytes_per_device = sum(_shard_numel(a) * a.dtype.itemsize for a in jm.params.values())
     report.param_bytes_total = sum(a.size * a.dtype.itemsize for a in jm.params.values())
-    calls = record_calls(jm.module, jm.layout, args, kwargs)
-    set_minimum(report, calls, jm.module, jm.layout, found, lambda name, p: _shard_numel(jm.params[name]))
+    calls, gathers = record_calls(jm.module, jm.layout, args, kwargs, dict(jm.mesh.shape))
+    set_minimum(report, calls, jm.module, jm.layout, found, lambda name, p: _shard_numel(jm.params[name]),
+                gathers=gathers)
     report.notes.append("compiled by JAX through torchax (Shardy partitioner)")
     return report
 
@@ -82,9 +86,11 @@ def _shard_numel(a: jax.Array) -> int:
 
 class _CopySharder:
     """Each constraint step a new tensor, as on the real backends (the recorder tells constrained
-    inputs from the arguments as given by identity); nothing is laid out."""
+    inputs from the arguments as given by identity); nothing is laid out. ``sizes``: the mesh's, for what
+    depends on them (a context axis: the key/value gathers attention records)."""
 
-    sizes: dict[str, int] = {}
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.sizes = sizes
 
     def applies(self, x: Any) -> bool:
         return isinstance(x, torch.Tensor)
@@ -93,19 +99,33 @@ class _CopySharder:
         return x.clone()
 
 
-def record_calls(module: torch.nn.Module, layout: Layout, args: tuple, kwargs: dict) -> list:
+class _Gathers(TorchFunctionMode):
+    """Each SDPA call's keys and values, recorded as the gathers a context axis needs (``context_split`` under
+    the ``ambient`` copy sharder lays nothing out); the call itself runs as written."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention and len(args) >= 3:
+            context_split(*args[:3])
+        return func(*args, **(kwargs or {}))
+
+
+def record_calls(module: torch.nn.Module, layout: Layout, args: tuple, kwargs: dict,
+                 sizes: dict[str, int]) -> tuple[list, list]:
     """The planned modules' calls (inputs, outputs) in a forward on fake tensors: shapes, dtypes
     and ``requires_grad`` as in the real forward (experts layers through ``batched_mm``, as the jitted
-    program runs them), no compute."""
+    program runs them), no compute; and the keys and values attention gathers over a context axis of the
+    mesh ``sizes`` (the lowering's context split, recorded: Shardy lays the program out alike)."""
     args, kwargs = jax.tree.map(lambda x: to_torch(x) if isinstance(x, jax.Array) else x, (args, kwargs))
-    with FakeTensorMode() as mode, torchax_tracing(), torch.enable_grad(), batched_experts(module):
+    sharder = _CopySharder(sizes)
+    with FakeTensorMode() as mode, torchax_tracing(), torch.enable_grad(), batched_experts(module), \
+            ambient(sharder, layout.batch_axes, layout.tp_axis), _Gathers():
         state = {n: mode.from_tensor(t) for n, t in [*module.named_parameters(), *module.named_buffers()]}
         args, kwargs = torch_pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-        handles = register_hooks(module, layout, Constrainer(_CopySharder(), layout))  # first, as on the real backends
+        handles = register_hooks(module, layout, Constrainer(sharder, layout))  # first, as on the real backends
         try:
             with ActivationRecorder(module, layout) as recorder:
                 functional_call(module, state, args, kwargs)
         finally:
             for handle in handles:
                 handle.remove()
-    return recorder.calls
+    return recorder.calls, recorder.gathers
