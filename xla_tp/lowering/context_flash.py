@@ -1,0 +1,194 @@
+"""Attention per context block on a flash kernel: Pallas' splash attention, each device's queries against the
+keys and values gathered over the context axis, the causal mask offset by the block's start.
+
+Under a context split (``context.context_split``) a device holds queries ``[c*s/C, (c+1)*s/C)`` of a
+sequence of ``s`` tokens and every key. torch_xla's ``flash_attention(q, k, v, partition_spec=, mesh=)``
+cannot run that: one partition spec for q, k and v (the queries split, the keys whole is two), and a
+causal mask that aligns query 0 with key 0 (device ``c`` needs its queries to start at ``c*s/C``).
+The routes torch_xla 2.9 offers, by memory per device (heads ``h`` per device, a query block ``q = s/C``):
+
+- torch_xla's flash kernel in a manual-sharding region with the offset as its ``ab`` bias: an
+  ``[h, q, s]`` bias per device, the very score block the kernel exists to avoid; with segment ids the
+  offset cannot be said (they mask equality, not order).
+- torch_xla's ``splash_attention``: its JAX ``shard_map`` takes one spec for q, k and v too, and builds
+  its causal mask from the local query length (no offset).
+- JAX's splash kernel (``make_splash_mha``) called through ``call_jax`` in a ``shard_map`` of our own
+  (chosen): queries in ``[batch, heads, context, -]``, keys and values in ``[batch, heads, -, -]``, and the
+  kernel built for the global causal mask with ``q_seq_shards`` = the context ways, so its mask tables
+  (which blocks to compute, each query's position) are split along the queries with them: each device
+  computes its query block against every key, skips the blocks above the diagonal, and holds
+  ``O(q * block_kv)`` scores at a time, never ``[q, s]``. Grouped keys and values stay grouped (the
+  kernel reads query head ``i``'s key head ``i // (h / kv)``), unless their heads do not divide the
+  tensor-parallel axis (then they are repeated, as ``flash_call`` does).
+
+The backward recomputes the forward inside ``jax.vjp`` (as torch_xla's splash does) and returns the keys'
+and values' gradients whole; the compiler reduce-scatters them over the context axis. Selected
+(``plan``) with ``use_flash_attention(True)`` on a TPU when the kernel's constraints hold: no mask or
+dropout, as many queries as keys, each device's queries and all keys a multiple of 128 (the kernel's
+lane width), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
+torch_xla's device ``i``). Elsewhere attention takes the einsum route. ``interpret=True`` runs the kernel
+in Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU). Example (inside a
+parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v ``[2, 4, 2048, 128]``)::
+
+    blocks = plan(q, k, None, 0.0, True, 128 ** -0.5)    # Blocks(... block_q=512, block_kv=512 ...)
+    out = attention(q, k, v, blocks)                     # [2, 4, 2048, 128], queries split over context
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..axes import spec_entry
+from .context import query_layout
+
+BLOCK_SIZES = (512, 256, 128)  # the kernel's block sizes tried, largest first (multiples of its 128 lanes)
+
+
+def block_size(length: int) -> Optional[int]:
+    """The largest of ``BLOCK_SIZES`` that divides ``length`` (None if none does).
+
+    >>> block_size(2048), block_size(384), block_size(200)
+    (512, 128, None)
+    """
+    return next((b for b in BLOCK_SIZES if length % b == 0), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One call's layout and kernel: the mesh (``axes``: names and sizes, in order), the partition-spec entries
+    of the batch, the query heads, the key/value heads and the sequence, the mask and scale, the kernel's
+    block sizes and whether it runs in Pallas' interpreter. Hashable: ``call_jax`` caches one program per
+    ``Blocks`` and shapes."""
+
+    axes: tuple[tuple[str, int], ...]
+    batch: Any
+    heads: Optional[str]
+    kv_heads: Optional[str]
+    seq: Any
+    causal: bool
+    scale: float
+    block_q: int
+    block_kv: int
+    interpret: bool = False
+
+    def ways(self, entry: Any) -> int:
+        """How many devices a partition-spec entry spans."""
+        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
+        sizes = dict(self.axes)
+        return int(np.prod([sizes[a] for a in names], dtype=np.int64))
+
+
+def _identity_order(mesh: Any) -> bool:
+    """Whether ``mesh``'s devices are in id order (what an ``AbstractMesh`` of its shape means)."""
+    ids = np.asarray(mesh.device_ids).reshape(-1)
+    return bool((ids == np.arange(ids.size)).all())
+
+
+def plan(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
+         is_causal: bool, scale: float, interpret: bool = False) -> Optional[Blocks]:
+    """The kernel's ``Blocks`` for SDPA of ``query`` ``[b, h, s, d]`` against ``key`` ``[b, kv, s, d]`` when
+    the queries are split over a context axis here and the kernel can take the call (see the module; on a
+    TPU unless ``interpret``), else None."""
+    if attn_mask is not None or dropout_p or query.dim() != 4 or key.dim() != 4 or query.device.type != "xla":
+        return None
+    found = query_layout(query, key)
+    if found is None or key.shape[2] != query.shape[2] or query.shape[1] % key.shape[1]:
+        return None
+    sharder, batch, seq, heads, kv_heads = found
+    mesh = getattr(sharder, "mesh", None)
+    if mesh is None or not hasattr(mesh, "device_ids") or not _identity_order(mesh):
+        return None
+    if not interpret:
+        import torch_xla.runtime as xr
+        if xr.device_type() != "TPU":
+            return None
+    sizes = sharder.sizes
+    length = query.shape[2]
+    block_q, block_kv = block_size(length // int(np.prod([sizes[a] for a in seq]))), block_size(length)
+    if block_q is None or block_kv is None:
+        return None
+    return Blocks(axes=tuple((str(a), int(s)) for a, s in zip(mesh.axis_names, mesh.mesh_shape)),
+                  batch=spec_entry(batch), heads=heads, kv_heads=kv_heads if heads else None,
+                  seq=spec_entry(seq), causal=bool(is_causal), scale=float(scale), block_q=block_q,
+                  block_kv=block_kv, interpret=interpret)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """SDPA of ``query`` ``[b, h, s, d]`` (split over the context axis) against ``key``/``value``
+    ``[b, kv, s, d]`` (whole), by the splash kernel on each device's query block (``blocks`` from ``plan``)."""
+    if blocks.heads and not blocks.kv_heads and key.shape[1] != query.shape[1]:  # groups straddle the devices
+        group = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        blocks = dataclasses.replace(blocks, kv_heads=blocks.heads)
+    from ..backends.torchax import import_torchax
+    import_torchax()  # torch_xla's call_jax needs torchax importable
+    return _Splash.apply(query, key, value, blocks)
+
+
+class _Splash(torch.autograd.Function):
+    """The kernel's forward and its gradient (``jax.vjp``, recomputing the forward), each one ``call_jax``."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+        from torch_xla.core.xla_builder import call_jax
+        ctx.save_for_backward(query, key, value)
+        ctx.blocks = blocks
+        return call_jax(_sharded, (query.contiguous(), key.contiguous(), value.contiguous(), blocks))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        from torch_xla.core.xla_builder import call_jax
+        query, key, value = ctx.saved_tensors
+        dq, dk, dv = call_jax(_backward, (query.contiguous(), key.contiguous(), value.contiguous(),
+                                          grad.contiguous(), ctx.blocks))
+        return dq, dk, dv, None
+
+
+def _kernel(blocks: Blocks, heads: int, length: int) -> tuple[Any, Any, Any]:
+    """(the splash kernel, its shard_map spec, the JAX mesh) for ``heads`` query heads over ``length`` tokens:
+    causal, the global mask with its tables split over the heads' and the sequence's axes (each device's
+    query positions with them); else every device's block alike, its tables split over the heads only
+    (jax 0.7's backward tables of a full mask split along the queries fail: no partial block to pad)."""
+    import jax
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    seq_shards = blocks.ways(blocks.seq) if blocks.causal else 1
+    mask = sm.CausalMask((length, length)) if blocks.causal else sm.FullMask((length // blocks.ways(blocks.seq), length))
+    bq, bkv = blocks.block_q, blocks.block_kv
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
+                                head_shards=blocks.ways(blocks.heads), q_seq_shards=seq_shards,
+                                interpret=blocks.interpret)
+    names, counts = zip(*blocks.axes)
+    mesh = jax.sharding.AbstractMesh(counts, names)
+    tables = PartitionSpec(blocks.heads, blocks.seq if blocks.causal else None)
+    return kernel, kernel.manual_sharding_spec(NamedSharding(mesh, tables)), mesh
+
+
+def _sharded(query: Any, key: Any, value: Any, blocks: Blocks) -> Any:
+    """The kernel on every device's query block, as one JAX function of the global q/k/v."""
+    import jax
+    from jax.sharding import PartitionSpec
+
+    kernel, kernel_spec, mesh = _kernel(blocks, query.shape[1], query.shape[2])
+    queries = PartitionSpec(blocks.batch, blocks.heads, blocks.seq, None)
+    whole = PartitionSpec(blocks.batch, blocks.kv_heads, None, None)
+
+    def block(kernel: Any, q: Any, k: Any, v: Any) -> Any:
+        return jax.vmap(kernel)((q * blocks.scale).astype(q.dtype), k, v)
+
+    return jax.shard_map(block, mesh=mesh, in_specs=(kernel_spec, queries, whole, whole), out_specs=queries,
+                         check_vma=False)(kernel, query, key, value)
+
+
+def _backward(query: Any, key: Any, value: Any, grad: Any, blocks: Blocks) -> Any:
+    """The gradients of ``_sharded`` for ``grad`` (its forward run again)."""
+    import jax
+    _, pullback = jax.vjp(lambda q, k, v: _sharded(q, k, v, blocks), query, key, value)
+    return pullback(grad)
