@@ -110,6 +110,21 @@ def test_llama_with_the_kernel_per_context_block_equals_the_cpu_model(kernel_cal
     assert max((p.grad.cpu() - grads[n].grad).abs().max().item() for n, p in model.named_parameters()) < 1e-4
 
 
+def test_the_kernel_route_moves_the_audits_minimum_forward_and_backward(kernel_calls):
+    """Keys and values gathered over the context axis, their gradients reduce-scattered back (inside the
+    kernel's own shard_map), nothing else (the einsum route's backward all-reduces them: 1.19 here)."""
+    model = tiny_llama(0, max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=2)
+    xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(context=4, model=2))
+    ids = torch.randint(0, 128, (2, 512)).to(torch_xla.device())
+    for report in (xla_tp.audit(model, input_ids=ids), xla_tp.audit(model, input_ids=ids, backward=True)):
+        assert {k: v["count"] for k, v in report.collectives.items()} == \
+            {k: v["count"] for k, v in report.expected.items()}
+        assert report.collectives["all-gather"]["axes"] == ["context"]
+        assert report.comm_ratio == pytest.approx(1.0)
+    assert report.collectives["reduce-scatter"]["axes"] == ["context"]
+    assert kernel_calls
+
+
 @pytest.mark.parametrize("case", ["mask", "dropout", "ragged", "no kernel here"])
 def test_calls_the_kernel_cannot_take_keep_the_einsum_route(case):
     world = xla_tp.init_device_mesh("xla", (4, 2), mesh_dim_names=("cp", "tp"))

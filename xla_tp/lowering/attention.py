@@ -87,7 +87,6 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     if _FLASH["enabled"] and splits_queries(query) and (enable_gqa or key.shape[-3] == query.shape[-3]):
         blocks = context_flash.plan(query, key, attn_mask, dropout_p, is_causal, scale, _FLASH["interpret"])
         if blocks is not None and as_kv_heads(key) is key:
-            query, key, value, _ = context_split(query, key, value)
             return context_flash.attention(query, key, value, blocks)
     elif flash_eligible(query, key, attn_mask, dropout_p):
         from torch_xla.experimental.custom_kernel import flash_attention

@@ -21,8 +21,10 @@ The routes torch_xla 2.9 offers, by memory per device (heads ``h`` per device, a
   kernel reads query head ``i``'s key head ``i // (h / kv)``), unless their heads do not divide the
   tensor-parallel axis (then they are repeated, as ``flash_call`` does).
 
-The backward recomputes the forward inside ``jax.vjp`` (as torch_xla's splash does) and returns the keys'
-and values' gradients whole; the compiler reduce-scatters them over the context axis. Selected
+The backward is a shard_map too: each device differentiates its kernel call (``jax.vjp``: the forward runs
+again, as in torch_xla's splash) and reduce-scatters its partial key/value gradients over the context axis,
+so a layer moves the minimum the audit counts (the keys' and values' gathers and those reduce-scatters;
+the einsum route all-reduces those gradients instead). Selected
 (``plan``) with ``use_flash_attention(True)`` on a TPU when the kernel's constraints hold: no mask or
 dropout, as many queries as keys, each device's queries and all keys a multiple of 128 (the kernel's
 lane width), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
@@ -36,13 +38,14 @@ parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v ``[2, 4, 2048, 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
 from ..axes import spec_entry
-from .context import query_layout
+from .context import context_split, query_layout
 
 BLOCK_SIZES = (512, 256, 128)  # the kernel's block sizes tried, largest first (multiples of its 128 lanes)
 
@@ -117,11 +120,15 @@ def plan(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tenso
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Blocks) -> torch.Tensor:
-    """SDPA of ``query`` ``[b, h, s, d]`` (split over the context axis) against ``key``/``value``
-    ``[b, kv, s, d]`` (whole), by the splash kernel on each device's query block (``blocks`` from ``plan``)."""
+    """SDPA of ``query`` ``[b, h, s, d]`` against ``key``/``value`` ``[b, kv, s, d]`` by the splash kernel on
+    each device's query block (``blocks`` from ``plan``). The queries are laid out by ``context_split`` (which
+    records the key/value gathers for the audit); the keys and values enter as they are, the kernel's
+    shard_map gathers them and reduce-scatters their gradients (``context_split``'s layout of them would
+    gather their gradients back), except where their heads must be repeated first."""
+    query, whole_key, whole_value, _ = context_split(query, key, value)
     if blocks.heads and not blocks.kv_heads and key.shape[1] != query.shape[1]:  # groups straddle the devices
-        group = query.shape[1] // key.shape[1]
-        key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+        group = query.shape[1] // key.shape[1]  # gathered first: the repeat then runs on each device
+        key, value = whole_key.repeat_interleave(group, dim=1), whole_value.repeat_interleave(group, dim=1)
         blocks = dataclasses.replace(blocks, kv_heads=blocks.heads)
     from ..backends.torchax import import_torchax
     import_torchax()  # torch_xla's call_jax needs torchax importable
@@ -171,24 +178,42 @@ def _kernel(blocks: Blocks, heads: int, length: int) -> tuple[Any, Any, Any]:
     return kernel, kernel.manual_sharding_spec(NamedSharding(mesh, tables)), mesh
 
 
+def _specs(blocks: Blocks) -> tuple[Any, Any, Any]:
+    """The partition specs of the queries (and the output), of the keys and values whole (gathered), and of
+    the keys and values split as the queries (their gradients)."""
+    from jax.sharding import PartitionSpec
+    return (PartitionSpec(blocks.batch, blocks.heads, blocks.seq, None),
+            PartitionSpec(blocks.batch, blocks.kv_heads, None, None),
+            PartitionSpec(blocks.batch, blocks.kv_heads, blocks.seq, None))
+
+
+def _local(kernel: Any, q: Any, k: Any, v: Any, scale: float) -> Any:
+    """The kernel on one device's queries ``[b, h, q, d]`` against its keys and values ``[b, kv, s, d]``."""
+    import jax
+    return jax.vmap(kernel)((q * scale).astype(q.dtype), k, v)
+
+
 def _sharded(query: Any, key: Any, value: Any, blocks: Blocks) -> Any:
     """The kernel on every device's query block, as one JAX function of the global q/k/v."""
     import jax
-    from jax.sharding import PartitionSpec
-
     kernel, kernel_spec, mesh = _kernel(blocks, query.shape[1], query.shape[2])
-    queries = PartitionSpec(blocks.batch, blocks.heads, blocks.seq, None)
-    whole = PartitionSpec(blocks.batch, blocks.kv_heads, None, None)
-
-    def block(kernel: Any, q: Any, k: Any, v: Any) -> Any:
-        return jax.vmap(kernel)((q * blocks.scale).astype(q.dtype), k, v)
-
-    return jax.shard_map(block, mesh=mesh, in_specs=(kernel_spec, queries, whole, whole), out_specs=queries,
+    queries, whole, _ = _specs(blocks)
+    return jax.shard_map(functools.partial(_local, scale=blocks.scale), mesh=mesh,
+                         in_specs=(kernel_spec, queries, whole, whole), out_specs=queries,
                          check_vma=False)(kernel, query, key, value)
 
 
 def _backward(query: Any, key: Any, value: Any, grad: Any, blocks: Blocks) -> Any:
-    """The gradients of ``_sharded`` for ``grad`` (its forward run again)."""
+    """The gradients of ``_sharded`` for ``grad``: on each device the kernel's own (its forward run again),
+    the keys' and values' partial sums reduce-scattered over the context axis (split as the queries)."""
     import jax
-    _, pullback = jax.vjp(lambda q, k, v: _sharded(q, k, v, blocks), query, key, value)
-    return pullback(grad)
+    kernel, kernel_spec, mesh = _kernel(blocks, query.shape[1], query.shape[2])
+    queries, whole, split = _specs(blocks)
+
+    def block(kernel: Any, q: Any, k: Any, v: Any, g: Any) -> tuple[Any, Any, Any]:
+        _, pullback = jax.vjp(functools.partial(_local, kernel, scale=blocks.scale), q, k, v)
+        dq, dk, dv = pullback(g)
+        return (dq, *(jax.lax.psum_scatter(d, blocks.seq, scatter_dimension=2, tiled=True) for d in (dk, dv)))
+
+    return jax.shard_map(block, mesh=mesh, in_specs=(kernel_spec, queries, whole, whole, queries),
+                         out_specs=(queries, split, split), check_vma=False)(kernel, query, key, value, grad)
