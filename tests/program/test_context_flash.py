@@ -125,16 +125,19 @@ def test_the_kernel_route_moves_the_audits_minimum_forward_and_backward(kernel_c
     assert kernel_calls
 
 
-@pytest.mark.parametrize("case", ["mask", "dropout", "ragged", "no kernel here"])
-def test_calls_the_kernel_cannot_take_keep_the_einsum_route(case):
+@pytest.mark.parametrize("case", ["mask", "dropout", "ragged", "compiling", "no kernel here"])
+def test_calls_the_kernel_cannot_take_keep_the_einsum_route(case, monkeypatch):
     world = xla_tp.init_device_mesh("xla", (4, 2), mesh_dim_names=("cp", "tp"))
     s = 384 if case == "ragged" else 512  # 96 queries per device: not a multiple of the kernel's 128 lanes
     dev = torch_xla.device()
     q, k = torch.randn(2, 4, s, 16).to(dev), torch.randn(2, 4, s, 16).to(dev)
     mask = torch.ones(s, s, dtype=torch.bool).tril().to(dev) if case == "mask" else None
     with xla_tp.context_parallel(world["cp"], buffers=[q], buffer_seq_dims=[2]):
-        blocks = context_flash.plan(q, k, mask, 0.1 if case == "dropout" else 0.0, True, 0.25,
-                                    interpret=case != "no kernel here")
+        with monkeypatch.context() as patch:
+            if case == "compiling":  # what dynamo's trace reports
+                patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            blocks = context_flash.plan(q, k, mask, 0.1 if case == "dropout" else 0.0, True, 0.25,
+                                        interpret=case != "no kernel here")
         assert (blocks is None) == (case != "no kernel here" or not TPU)
         assert (context_flash.plan(q, k, None, 0.0, True, 0.25, interpret=True) is None) == (case == "ragged")
     assert context_flash.plan(q, k, None, 0.0, True, 0.25, interpret=True) is None  # no context split outside

@@ -27,7 +27,7 @@ so a layer moves the minimum the audit counts (the keys' and values' gathers and
 the einsum route all-reduces those gradients instead). Selected
 (``plan``) with ``use_flash_attention(True)`` on a TPU when the kernel's constraints hold: no mask or
 dropout, as many queries as keys, each device's queries and all keys a multiple of 128 (the kernel's
-lane width), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
+lane width), outside ``torch.compile`` (dynamo cannot trace ``call_jax``), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
 torch_xla's device ``i``). Elsewhere attention takes the einsum route. ``interpret=True`` runs the kernel
 in Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU). Example (inside a
 parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v ``[2, 4, 2048, 128]``)::
@@ -96,6 +96,8 @@ def plan(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tenso
     the queries are split over a context axis here and the kernel can take the call (see the module; on a
     TPU unless ``interpret``), else None."""
     if attn_mask is not None or dropout_p or query.dim() != 4 or key.dim() != 4 or query.device.type != "xla":
+        return None
+    if torch.compiler.is_compiling():  # dynamo cannot trace call_jax (torch_xla's own splash needs a custom op)
         return None
     found = query_layout(query, key)
     if found is None or key.shape[2] != query.shape[2] or query.shape[1] % key.shape[1]:
