@@ -5,7 +5,7 @@ Under a context split (``context.context_split``) a device holds queries ``[c*s/
 sequence of ``s`` tokens and every key. torch_xla's ``flash_attention(q, k, v, partition_spec=, mesh=)``
 cannot run that: one partition spec for q, k and v (the queries split, the keys whole is two), and a
 causal mask that aligns query 0 with key 0 (device ``c`` needs its queries to start at ``c*s/C``).
-The routes torch_xla 2.9 offers, by memory per device (heads ``h`` per device, a query block ``q = s/C``):
+The routes at hand (torch_xla 2.9, JAX 0.7), by memory per device (heads ``h`` per device, a query block ``q = s/C``):
 
 - torch_xla's flash kernel in a manual-sharding region with the offset as its ``ab`` bias: an
   ``[h, q, s]`` bias per device, the very score block the kernel exists to avoid; with segment ids the
@@ -22,14 +22,14 @@ The routes torch_xla 2.9 offers, by memory per device (heads ``h`` per device, a
   tensor-parallel axis (then they are repeated, as ``flash_call`` does).
 
 The backward is a shard_map too: each device differentiates its kernel call (``jax.vjp``: the forward runs
-again, as in torch_xla's splash) and reduce-scatters its partial key/value gradients over the context axis,
-so a layer moves the minimum the audit counts (the keys' and values' gathers and those reduce-scatters;
-the einsum route all-reduces those gradients instead). Selected
-(``plan``) with ``use_flash_attention(True)`` on a TPU when the kernel's constraints hold: no mask or
-dropout, as many queries as keys, each device's queries and all keys a multiple of 128 (the kernel's
-lane width), outside ``torch.compile`` (dynamo cannot trace ``call_jax``), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
-torch_xla's device ``i``). Elsewhere attention takes the einsum route. ``interpret=True`` runs the kernel
-in Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU). Example (inside a
+again, as in torch_xla's splash) and reduce-scatters its partial key/value gradients over the context axis, so
+a layer moves the minimum the audit counts (the keys' and values' gathers and those reduce-scatters; the
+einsum route all-reduces those gradients instead). Selected (``plan``) with ``use_flash_attention(True)`` on a
+TPU when the kernel's constraints hold: no mask or dropout, as many queries as keys, each device's queries and
+all keys a multiple of 128 (the kernel's lane width), outside ``torch.compile`` (dynamo cannot trace
+``call_jax``), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
+torch_xla's device ``i``). Elsewhere attention takes the einsum route. ``interpret=True`` runs the kernel in
+Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU). Example (inside a
 parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v ``[2, 4, 2048, 128]``)::
 
     blocks = plan(q, k, None, 0.0, True, 128 ** -0.5)    # Blocks(... block_q=512, block_kv=512 ...)
@@ -45,6 +45,7 @@ import numpy as np
 import torch
 
 from ..axes import spec_entry
+from ..batch import ways
 from .context import context_split, query_layout
 
 BLOCK_SIZES = (512, 256, 128)  # the kernel's block sizes tried, largest first (multiples of its 128 lanes)
@@ -79,9 +80,7 @@ class Blocks:
 
     def ways(self, entry: Any) -> int:
         """How many devices a partition-spec entry spans."""
-        names = () if entry is None else (entry,) if isinstance(entry, str) else entry
-        sizes = dict(self.axes)
-        return int(np.prod([sizes[a] for a in names], dtype=np.int64))
+        return ways(() if entry is None else (entry,) if isinstance(entry, str) else entry, dict(self.axes))
 
 
 def _identity_order(mesh: Any) -> bool:
@@ -110,9 +109,8 @@ def plan(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tenso
         import torch_xla.runtime as xr
         if xr.device_type() != "TPU":
             return None
-    sizes = sharder.sizes
     length = query.shape[2]
-    block_q, block_kv = block_size(length // int(np.prod([sizes[a] for a in seq]))), block_size(length)
+    block_q, block_kv = block_size(length // ways(seq, sharder.sizes)), block_size(length)
     if block_q is None or block_kv is None:
         return None
     return Blocks(axes=tuple((str(a), int(s)) for a, s in zip(mesh.axis_names, mesh.mesh_shape)),
