@@ -143,9 +143,20 @@ def test_calls_the_kernel_cannot_take_keep_the_einsum_route(case, monkeypatch):
     assert context_flash.plan(q, k, None, 0.0, True, 0.25, interpret=True) is None  # no context split outside
 
 
-@pytest.mark.skipif(not TPU, reason="the compiled Pallas splash kernel runs on a TPU only (here its interpreter "
-                                    "runs: test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward)")
-def test_compiled_kernel_on_tpu_equals_cpu_sdpa(kernel_calls):
+@pytest.fixture
+def highest_precision():
+    """float32 matmuls at full precision for the test (a TPU's default rounds their inputs to bfloat16)."""
+    import torch_xla.backends
+    before = torch_xla.backends.get_mat_mul_precision()
+    torch_xla.backends.set_mat_mul_precision("highest")
+    yield
+    torch_xla.backends.set_mat_mul_precision(before)
+
+
+@pytest.mark.skipif(not TPU or xr.global_runtime_device_count() != 8,
+                    reason="the compiled Pallas splash kernel runs on a TPU only, here on 8 of its devices (else its "
+                           "interpreter runs: test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward)")
+def test_compiled_kernel_on_tpu_equals_cpu_sdpa(kernel_calls, highest_precision):
     torch.manual_seed(0)
     ref = Attention(d=512, heads=4, kv_heads=2)  # head dim 128, the kernel's lane width
     model = copy.deepcopy(ref).to(torch_xla.device())
