@@ -26,7 +26,6 @@ def import_torchax():
     with _flax_placeholder():
         import torchax
         import torchax.interop  # noqa: F401
-        import torchax.ops.mappings  # noqa: F401  (call_jax reads its dtype table)
     _bind_submodules("torchax")
     torch.backends.mha.set_fastpath_enabled(before)
     return torchax
