@@ -26,8 +26,20 @@ def import_torchax():
     with _flax_placeholder():
         import torchax
         import torchax.interop  # noqa: F401
+    _bind_submodules("torchax")
     torch.backends.mha.set_fastpath_enabled(before)
     return torchax
+
+
+def _bind_submodules(package: str) -> None:
+    """Each imported submodule of ``package`` set as its parent's attribute. An import of ``package`` that
+    failed (torch_xla's ``mark_sharding`` tries one, which fails without flax) leaves the submodules it had
+    imported in ``sys.modules``; the next import of ``package`` finds them there and binds none of them
+    (``torchax.ops`` would be missing, which ``call_jax`` reads)."""
+    for name in sorted(n for n in list(sys.modules) if n.startswith(package + ".")):
+        parent, _, child = name.rpartition(".")
+        if parent in sys.modules and not hasattr(sys.modules[parent], child):
+            setattr(sys.modules[parent], child, sys.modules[name])
 
 
 @contextlib.contextmanager

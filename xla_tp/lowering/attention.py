@@ -8,7 +8,8 @@ original ops: SDPA's scale, causal flag (top-left aligned), boolean (True = atte
 mask, ``enable_gqa``, dropout; softmax in float32; a query that the mask lets attend to no key (a
 left-padded position) gets zeros, as torch's SDPA gives it, not NaN. On TPU,
 ``use_flash_attention(True)`` routes SDPA calls the Pallas kernel can take to torch_xla's
-``flash_attention`` with the partition spec of the mesh. Example:
+``flash_attention`` with the partition spec of the mesh, or under a context split to the splash kernel
+per query block (``context_flash``). Example:
 
 >>> q, k, v = torch.randn(2, 4, 6, 8), torch.randn(2, 2, 6, 8), torch.randn(2, 2, 6, 8)
 >>> want = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -27,18 +28,20 @@ import torch
 import torch.nn.functional as F
 
 from ..axes import mesh_axes, spec_entry
-from . import scope
+from . import context_flash, scope
 from .context import context_split, splits_queries
 from .copies import as_kv_heads
 from .packed import packed_blocks
 
-_FLASH = {"enabled": False}
+_FLASH = {"enabled": False, "interpret": False}
 _masks = threading.local()
 
 
-def use_flash_attention(enabled: bool = True) -> None:
-    """Route eligible SDPA calls to torch_xla's Pallas flash attention (TPU only; einsum elsewhere)."""
-    _FLASH["enabled"] = bool(enabled)
+def use_flash_attention(enabled: bool = True, interpret: bool = False) -> None:
+    """Route eligible SDPA calls to Pallas flash attention (TPU only; einsum elsewhere): torch_xla's
+    ``flash_attention``, or under a context split the splash kernel per query block (``context_flash``).
+    ``interpret`` (for tests) runs the latter in Pallas' interpreter, on any device."""
+    _FLASH["enabled"], _FLASH["interpret"] = bool(enabled), bool(interpret)
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -81,7 +84,11 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` as two einsums (or the flash kernel on TPU, see the module)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if flash_eligible(query, key, attn_mask, dropout_p) and not splits_queries(query):  # no flash per context block yet
+    if _FLASH["enabled"] and splits_queries(query) and (enable_gqa or key.shape[-3] == query.shape[-3]):
+        blocks = context_flash.plan(query, key, attn_mask, dropout_p, is_causal, scale, _FLASH["interpret"])
+        if blocks is not None and as_kv_heads(key) is key:
+            return context_flash.attention(query, key, value, blocks)
+    elif flash_eligible(query, key, attn_mask, dropout_p):
         from torch_xla.experimental.custom_kernel import flash_attention
         return flash_attention(**flash_call(query, key, value, attn_mask, is_causal, scale))
     return einsum_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

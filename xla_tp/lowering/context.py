@@ -104,6 +104,18 @@ def _heads(t: torch.Tensor, tp: str, sizes: dict) -> Optional[str]:
     return tp if sizes.get(tp, 1) > 1 and t.shape[1] % sizes[tp] == 0 else None
 
 
+def query_layout(query: torch.Tensor, key: torch.Tensor) -> Optional[tuple[Any, tuple[str, ...], tuple[str, ...],
+                                                                        Optional[str], Optional[str]]]:
+    """(sharder, batch axes, sequence axes, the query heads' axis, the key heads' axis) of attention on ``query``
+    ``[batch, heads, sequence, dim]`` split over a context axis here, as ``context_split`` lays it out (a heads'
+    axis is None where it does not divide them); None where it leaves them."""
+    found = _context(query, 2) if query.dim() == 4 else None
+    if found is None:
+        return None
+    sharder, batch, seq, tp = found
+    return sharder, batch, seq, _heads(query, tp, sharder.sizes), _heads(key, tp, sharder.sizes)
+
+
 def context_split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                   mask: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, ...]:
     """On a mesh with a context axis (context parallelism), each device's block of queries (the sequence

@@ -1,0 +1,170 @@
+"""Flash attention per context block (``xla_tp.lowering.context_flash``): JAX's Pallas splash kernel on each
+device's query block against the keys and values gathered over the context axis. Here (CPU) the kernel runs in
+Pallas' interpreter (``use_flash_attention(True, interpret=True)``), through the same ``call_jax``, ``shard_map``
+and mask tables split over the context axis as on a TPU; the compiled TPU kernel is checked only on a TPU."""
+import copy
+
+import pytest
+import torch
+import torch_xla
+import torch_xla.runtime as xr
+import torch.nn.functional as F
+
+import xla_tp
+from xla_tp.auditing.capture import capture_partitioned_hlo
+from xla_tp.lowering import attention, context_flash
+
+from ..hf_tiny import tiny_llama
+from ..hlo_count import collectives_of
+from .test_context import _gathered
+
+TPU = xr.device_type() == "TPU"
+
+
+class Attention(torch.nn.Module):
+    """SDPA on projected heads (grouped keys and values when ``kv_heads < heads``)."""
+
+    def __init__(self, d: int = 64, heads: int = 4, kv_heads: int = 4, causal: bool = True):
+        super().__init__()
+        self.heads, self.kv_heads, self.causal = heads, kv_heads, causal
+        self.wq, self.wo = torch.nn.Linear(d, d, bias=False), torch.nn.Linear(d, d, bias=False)
+        self.wk, self.wv = (torch.nn.Linear(d, d // heads * kv_heads, bias=False) for _ in range(2))
+
+    def forward(self, x):
+        b, n, d = x.shape
+        q = self.wq(x).view(b, n, self.heads, -1).transpose(1, 2)
+        k, v = (w(x).view(b, n, self.kv_heads, -1).transpose(1, 2) for w in (self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal, enable_gqa=self.kv_heads < self.heads)
+        return self.wo(out.transpose(1, 2).reshape(b, n, d))
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The ``Blocks`` of each call that took the kernel route; the route on (interpreted) for the test."""
+    calls, run = [], context_flash.attention
+
+    def recorded(query, key, value, blocks):
+        calls.append(blocks)
+        return run(query, key, value, blocks)
+
+    monkeypatch.setattr(context_flash, "attention", recorded)
+    attention.use_flash_attention(True, interpret=not TPU)
+    yield calls
+    attention.use_flash_attention(False)
+
+
+def _run(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict, str]:
+    """Output, input and weight gradients, and the partitioned HLO of ``model`` on ``x`` in a context_parallel
+    block over context=4 x model=2 (heads over model), for the output gradient ``x.flip(-1)``."""
+    world = xla_tp.init_device_mesh("xla", (4, 2), mesh_dim_names=("cp", "tp"))
+    xla_tp.parallelize_module(model, world["tp"], {"wq": xla_tp.ColwiseParallel(), "wk": xla_tp.ColwiseParallel(),
+                                                   "wv": xla_tp.ColwiseParallel(), "wo": xla_tp.RowwiseParallel()})
+    xd = x.to(torch_xla.device()).requires_grad_()
+    with xla_tp.context_parallel(world["cp"], buffers=[xd], buffer_seq_dims=[1]):
+        out = model(xd)
+        hlo = capture_partitioned_hlo([out])
+        (out * x.flip(-1).to(xd.device)).sum().backward()
+    grads = {n: p.grad.cpu() for n, p in model.named_parameters()} | {"x": xd.grad.cpu()}
+    return out.cpu(), grads, hlo
+
+
+@pytest.mark.parametrize("kv_heads,causal", [(4, True), (2, True), (1, True), (4, False)])
+def test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward(kernel_calls, kv_heads, causal):
+    torch.manual_seed(0)
+    ref = Attention(kv_heads=kv_heads, causal=causal)
+    model = copy.deepcopy(ref).to(torch_xla.device())
+    x = torch.randn(2, 512, 64)
+    out, grads, hlo = _run(model, x)
+    (blocks,) = kernel_calls  # the kernel route, once
+    assert (blocks.seq, blocks.heads, blocks.block_q, blocks.block_kv) == ("context", "model", 128, 512)
+    # grouped keys and values stay grouped where their heads divide the model axis, else they are repeated
+    assert blocks.kv_heads == ("model" if kv_heads % 2 == 0 else None)
+    xc = x.clone().requires_grad_()
+    want = ref(xc)
+    (want * x.flip(-1)).sum().backward()
+    assert (out - want).abs().max() < 1e-4
+    assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()) < 1e-4
+    assert (grads["x"] - xc.grad).abs().max() < 1e-4
+    # the queries stay split: what crosses devices is the keys and values, gathered over the context axis (one
+    # key/value head's projection split over the model axis is gathered first, as on the einsum route)
+    kv = kv_heads // 2 if kv_heads % 2 == 0 else kv_heads  # per device (in the compiler's order of dimensions)
+    want = [(2, kv, 512, 16)] * 2 + ([(2, 128, 1, 16)] * 2 if kv_heads == 1 else [])
+    assert sorted(tuple(sorted(s)) for s in _gathered(hlo)) == sorted(tuple(sorted(s)) for s in want)
+    assert set(collectives_of(hlo)) == {"all-gather", "all-reduce"}
+
+
+def test_llama_with_the_kernel_per_context_block_equals_the_cpu_model(kernel_calls):
+    seq = 512
+    ref = tiny_llama(0, max_position_embeddings=seq, num_attention_heads=4, num_key_value_heads=2)
+    model = copy.deepcopy(ref)
+    xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(context=4, model=2))
+    ids = torch.randint(0, 128, (2, seq))
+    dev = torch_xla.device()
+    loss = model(input_ids=ids.to(dev), labels=ids.to(dev)).loss
+    loss.backward()
+    assert len(kernel_calls) == ref.config.num_hidden_layers
+    want = ref(input_ids=ids, labels=ids).loss
+    want.backward()
+    assert abs(loss.item() - want.item()) < 1e-4
+    grads = dict(ref.named_parameters())
+    assert max((p.grad.cpu() - grads[n].grad).abs().max().item() for n, p in model.named_parameters()) < 1e-4
+
+
+def test_the_kernel_route_moves_the_audits_minimum_forward_and_backward(kernel_calls):
+    """Keys and values gathered over the context axis, their gradients reduce-scattered back (inside the
+    kernel's own shard_map), nothing else (the einsum route's backward all-reduces them: 1.19 here)."""
+    model = tiny_llama(0, max_position_embeddings=512, num_attention_heads=4, num_key_value_heads=2)
+    xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(context=4, model=2))
+    ids = torch.randint(0, 128, (2, 512)).to(torch_xla.device())
+    for report in (xla_tp.audit(model, input_ids=ids), xla_tp.audit(model, input_ids=ids, backward=True)):
+        assert {k: v["count"] for k, v in report.collectives.items()} == \
+            {k: v["count"] for k, v in report.expected.items()}
+        assert report.collectives["all-gather"]["axes"] == ["context"]
+        assert report.comm_ratio == pytest.approx(1.0)
+    assert report.collectives["reduce-scatter"]["axes"] == ["context"]
+    assert kernel_calls
+
+
+@pytest.mark.parametrize("case", ["mask", "dropout", "ragged", "compiling", "no kernel here"])
+def test_calls_the_kernel_cannot_take_keep_the_einsum_route(case, monkeypatch):
+    world = xla_tp.init_device_mesh("xla", (4, 2), mesh_dim_names=("cp", "tp"))
+    s = 384 if case == "ragged" else 512  # 96 queries per device: not a multiple of the kernel's 128 lanes
+    dev = torch_xla.device()
+    q, k = torch.randn(2, 4, s, 16).to(dev), torch.randn(2, 4, s, 16).to(dev)
+    mask = torch.ones(s, s, dtype=torch.bool).tril().to(dev) if case == "mask" else None
+    with xla_tp.context_parallel(world["cp"], buffers=[q], buffer_seq_dims=[2]):
+        with monkeypatch.context() as patch:
+            if case == "compiling":  # what dynamo's trace reports
+                patch.setattr(torch.compiler, "is_compiling", lambda: True)
+            blocks = context_flash.plan(q, k, mask, 0.1 if case == "dropout" else 0.0, True, 0.25,
+                                        interpret=case != "no kernel here")
+        assert (blocks is None) == (case != "no kernel here" or not TPU)
+        assert (context_flash.plan(q, k, None, 0.0, True, 0.25, interpret=True) is None) == (case == "ragged")
+    assert context_flash.plan(q, k, None, 0.0, True, 0.25, interpret=True) is None  # no context split outside
+
+
+@pytest.fixture
+def highest_precision():
+    """float32 matmuls at full precision for the test (a TPU's default rounds their inputs to bfloat16)."""
+    import torch_xla.backends
+    before = torch_xla.backends.get_mat_mul_precision()
+    torch_xla.backends.set_mat_mul_precision("highest")
+    yield
+    torch_xla.backends.set_mat_mul_precision(before)
+
+
+@pytest.mark.skipif(not TPU or xr.global_runtime_device_count() != 8,
+                    reason="the compiled Pallas splash kernel runs on a TPU only, here on 8 of its devices (else its "
+                           "interpreter runs: test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward)")
+def test_compiled_kernel_on_tpu_equals_cpu_sdpa(kernel_calls, highest_precision):
+    torch.manual_seed(0)
+    ref = Attention(d=512, heads=4, kv_heads=2)  # head dim 128, the kernel's lane width
+    model = copy.deepcopy(ref).to(torch_xla.device())
+    x = torch.randn(2, 2048, 512)
+    out, grads, _ = _run(model, x)
+    assert [b.interpret for b in kernel_calls] == [False]
+    xc = x.clone().requires_grad_()
+    want = ref(xc)
+    (want * x.flip(-1)).sum().backward()
+    assert (out - want).abs().max() < 1e-4
+    assert (grads["x"] - xc.grad).abs().max() < 1e-4

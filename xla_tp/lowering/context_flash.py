@@ -1,0 +1,219 @@
+"""Attention per context block on a flash kernel: Pallas' splash attention, each device's queries against the
+keys and values gathered over the context axis, the causal mask offset by the block's start.
+
+Under a context split (``context.context_split``) a device holds queries ``[c*s/C, (c+1)*s/C)`` of a
+sequence of ``s`` tokens and every key. torch_xla's ``flash_attention(q, k, v, partition_spec=, mesh=)``
+cannot run that: one partition spec for q, k and v (the queries split, the keys whole is two), and a
+causal mask that aligns query 0 with key 0 (device ``c`` needs its queries to start at ``c*s/C``).
+The routes at hand (torch_xla 2.9, JAX 0.7), by memory per device (heads ``h`` per device, a query block ``q = s/C``):
+
+- torch_xla's flash kernel in a manual-sharding region with the offset as its ``ab`` bias: an
+  ``[h, q, s]`` bias per device, the very score block the kernel exists to avoid; with segment ids the
+  offset cannot be said (they mask equality, not order).
+- torch_xla's ``splash_attention``: its JAX ``shard_map`` takes one spec for q, k and v too, and builds
+  its causal mask from the local query length (no offset).
+- JAX's splash kernel (``make_splash_mha``) called through ``call_jax`` in a ``shard_map`` of our own
+  (chosen): queries in ``[batch, heads, context, -]``, keys and values in ``[batch, heads, -, -]``, and the
+  kernel built for the global causal mask with ``q_seq_shards`` = the context ways, so its mask tables
+  (which blocks to compute, each query's position) are split along the queries with them: each device
+  computes its query block against every key, skips the blocks above the diagonal, and holds
+  ``O(q * block_kv)`` scores at a time, never ``[q, s]``. Grouped keys and values stay grouped (the
+  kernel reads query head ``i``'s key head ``i // (h / kv)``), unless their heads do not divide the
+  tensor-parallel axis (then they are repeated, as ``flash_call`` does).
+
+The backward is a shard_map too: each device differentiates its kernel call (``jax.vjp``: the forward runs
+again, as in torch_xla's splash) and reduce-scatters its partial key/value gradients over the context axis, so
+a layer moves the minimum the audit counts (the keys' and values' gathers and those reduce-scatters; the
+einsum route all-reduces those gradients instead). Selected (``plan``) with ``use_flash_attention(True)`` on a
+TPU when the kernel's constraints hold: no mask or dropout, as many queries as keys, each device's queries and
+all keys a multiple of 128 (the kernel's lane width), outside ``torch.compile`` (dynamo cannot trace
+``call_jax``), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
+torch_xla's device ``i``). Elsewhere attention takes the einsum route. ``interpret=True`` runs the kernel in
+Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU). Example (inside a
+parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v ``[2, 4, 2048, 128]``)::
+
+    blocks = plan(q, k, None, 0.0, True, 128 ** -0.5)    # Blocks(... block_q=512, block_kv=512 ...)
+    out = attention(q, k, v, blocks)                     # [2, 4, 2048, 128], queries split over context
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from ..axes import spec_entry
+from ..batch import ways
+from .context import context_split, query_layout
+
+BLOCK_SIZES = (512, 256, 128)  # the kernel's block sizes tried, largest first (multiples of its 128 lanes)
+
+
+def block_size(length: int) -> Optional[int]:
+    """The largest of ``BLOCK_SIZES`` that divides ``length`` (None if none does).
+
+    >>> block_size(2048), block_size(384), block_size(200)
+    (512, 128, None)
+    """
+    return next((b for b in BLOCK_SIZES if length % b == 0), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """One call's layout and kernel: the mesh (``axes``: names and sizes, in order), the partition-spec entries
+    of the batch, the query heads, the key/value heads and the sequence, the mask and scale, the kernel's
+    block sizes and whether it runs in Pallas' interpreter. Hashable: ``call_jax`` caches one program per
+    ``Blocks`` and shapes."""
+
+    axes: tuple[tuple[str, int], ...]
+    batch: Any
+    heads: Optional[str]
+    kv_heads: Optional[str]
+    seq: Any
+    causal: bool
+    scale: float
+    block_q: int
+    block_kv: int
+    interpret: bool = False
+
+    def ways(self, entry: Any) -> int:
+        """How many devices a partition-spec entry spans."""
+        return ways(() if entry is None else (entry,) if isinstance(entry, str) else entry, dict(self.axes))
+
+
+def _identity_order(mesh: Any) -> bool:
+    """Whether ``mesh``'s devices are in id order (what an ``AbstractMesh`` of its shape means)."""
+    ids = np.asarray(mesh.device_ids).reshape(-1)
+    return bool((ids == np.arange(ids.size)).all())
+
+
+def plan(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
+         is_causal: bool, scale: float, interpret: bool = False) -> Optional[Blocks]:
+    """The kernel's ``Blocks`` for SDPA of ``query`` ``[b, h, s, d]`` against ``key`` ``[b, kv, s, d]`` when
+    the queries are split over a context axis here and the kernel can take the call (see the module; on a
+    TPU unless ``interpret``), else None."""
+    if attn_mask is not None or dropout_p or query.dim() != 4 or key.dim() != 4 or query.device.type != "xla":
+        return None
+    if torch.compiler.is_compiling():  # dynamo cannot trace call_jax (torch_xla's own splash needs a custom op)
+        return None
+    found = query_layout(query, key)
+    if found is None or key.shape[2] != query.shape[2] or query.shape[1] % key.shape[1]:
+        return None
+    sharder, batch, seq, heads, kv_heads = found
+    mesh = getattr(sharder, "mesh", None)
+    if mesh is None or not hasattr(mesh, "device_ids") or not _identity_order(mesh):
+        return None
+    if not interpret:
+        import torch_xla.runtime as xr
+        if xr.device_type() != "TPU":
+            return None
+    length = query.shape[2]
+    block_q, block_kv = block_size(length // ways(seq, sharder.sizes)), block_size(length)
+    if block_q is None or block_kv is None:
+        return None
+    return Blocks(axes=tuple((str(a), int(s)) for a, s in zip(mesh.axis_names, mesh.mesh_shape)),
+                  batch=spec_entry(batch), heads=heads, kv_heads=kv_heads if heads else None,
+                  seq=spec_entry(seq), causal=bool(is_causal), scale=float(scale), block_q=block_q,
+                  block_kv=block_kv, interpret=interpret)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+    """SDPA of ``query`` ``[b, h, s, d]`` against ``key``/``value`` ``[b, kv, s, d]`` by the splash kernel on
+    each device's query block (``blocks`` from ``plan``). The queries are laid out by ``context_split`` (which
+    records the key/value gathers for the audit); the keys and values enter as they are, the kernel's
+    shard_map gathers them and reduce-scatters their gradients (``context_split``'s layout of them would
+    gather their gradients back), except where their heads must be repeated first."""
+    query, whole_key, whole_value, _ = context_split(query, key, value)
+    if blocks.heads and not blocks.kv_heads and key.shape[1] != query.shape[1]:  # groups straddle the devices
+        group = query.shape[1] // key.shape[1]  # gathered first: the repeat then runs on each device
+        key, value = whole_key.repeat_interleave(group, dim=1), whole_value.repeat_interleave(group, dim=1)
+        blocks = dataclasses.replace(blocks, kv_heads=blocks.heads)
+    from ..backends.torchax import import_torchax
+    import_torchax()  # torch_xla's call_jax needs torchax importable
+    return _Splash.apply(query, key, value, blocks)
+
+
+class _Splash(torch.autograd.Function):
+    """The kernel's forward and its gradient (``jax.vjp``, recomputing the forward), each one ``call_jax``."""
+
+    @staticmethod
+    def forward(ctx: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Blocks) -> torch.Tensor:
+        from torch_xla.core.xla_builder import call_jax
+        ctx.save_for_backward(query, key, value)
+        ctx.blocks = blocks
+        return call_jax(_sharded, (query.contiguous(), key.contiguous(), value.contiguous(), blocks))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        from torch_xla.core.xla_builder import call_jax
+        query, key, value = ctx.saved_tensors
+        dq, dk, dv = call_jax(_backward, (query.contiguous(), key.contiguous(), value.contiguous(),
+                                          grad.contiguous(), ctx.blocks))
+        return dq, dk, dv, None
+
+
+def _kernel(blocks: Blocks, heads: int, length: int) -> tuple[Any, Any, Any]:
+    """(the splash kernel, its shard_map spec, the JAX mesh) for ``heads`` query heads over ``length`` tokens:
+    causal, the global mask with its tables split over the heads' and the sequence's axes (each device's
+    query positions with them); else every device's block alike, its tables split over the heads only
+    (jax 0.7's backward tables of a full mask split along the queries fail: no partial block to pad)."""
+    import jax
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    seq_shards = blocks.ways(blocks.seq) if blocks.causal else 1
+    mask = sm.CausalMask((length, length)) if blocks.causal else sm.FullMask((length // blocks.ways(blocks.seq), length))
+    bq, bkv = blocks.block_q, blocks.block_kv
+    sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
+                          block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
+    kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
+                                head_shards=blocks.ways(blocks.heads), q_seq_shards=seq_shards,
+                                interpret=blocks.interpret)
+    names, counts = zip(*blocks.axes)
+    mesh = jax.sharding.AbstractMesh(counts, names)
+    tables = PartitionSpec(blocks.heads, blocks.seq if blocks.causal else None)
+    return kernel, kernel.manual_sharding_spec(NamedSharding(mesh, tables)), mesh
+
+
+def _specs(blocks: Blocks) -> tuple[Any, Any, Any]:
+    """The partition specs of the queries (and the output), of the keys and values whole (gathered), and of
+    the keys and values split as the queries (their gradients)."""
+    from jax.sharding import PartitionSpec
+    return (PartitionSpec(blocks.batch, blocks.heads, blocks.seq, None),
+            PartitionSpec(blocks.batch, blocks.kv_heads, None, None),
+            PartitionSpec(blocks.batch, blocks.kv_heads, blocks.seq, None))
+
+
+def _local(kernel: Any, q: Any, k: Any, v: Any, scale: float) -> Any:
+    """The kernel on one device's queries ``[b, h, q, d]`` against its keys and values ``[b, kv, s, d]``."""
+    import jax
+    return jax.vmap(kernel)((q * scale).astype(q.dtype), k, v)
+
+
+def _sharded(query: Any, key: Any, value: Any, blocks: Blocks) -> Any:
+    """The kernel on every device's query block, as one JAX function of the global q/k/v."""
+    import jax
+    kernel, kernel_spec, mesh = _kernel(blocks, query.shape[1], query.shape[2])
+    queries, whole, _ = _specs(blocks)
+    return jax.shard_map(functools.partial(_local, scale=blocks.scale), mesh=mesh,
+                         in_specs=(kernel_spec, queries, whole, whole), out_specs=queries,
+                         check_vma=False)(kernel, query, key, value)
+
+
+def _backward(query: Any, key: Any, value: Any, grad: Any, blocks: Blocks) -> Any:
+    """The gradients of ``_sharded`` for ``grad``: on each device the kernel's own (its forward run again),
+    the keys' and values' partial sums reduce-scattered over the context axis (split as the queries)."""
+    import jax
+    kernel, kernel_spec, mesh = _kernel(blocks, query.shape[1], query.shape[2])
+    queries, whole, split = _specs(blocks)
+
+    def block(kernel: Any, q: Any, k: Any, v: Any, g: Any) -> tuple[Any, Any, Any]:
+        _, pullback = jax.vjp(functools.partial(_local, kernel, scale=blocks.scale), q, k, v)
+        dq, dk, dv = pullback(g)
+        return (dq, *(jax.lax.psum_scatter(d, blocks.seq, scatter_dimension=2, tiled=True) for d in (dk, dv)))
+
+    return jax.shard_map(block, mesh=mesh, in_specs=(kernel_spec, queries, whole, whole, queries),
+                         out_specs=(queries, split, split), check_vma=False)(kernel, query, key, value, grad)
