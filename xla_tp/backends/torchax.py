@@ -1,12 +1,17 @@
-"""Importing torchax without what it does not need here: its checkpoint helpers' flax.
+"""JAX in this process: torchax imported without what it does not need here (its checkpoint helpers'
+flax), and jax's CPU device count set before jax starts (``ensure_cpu_devices``).
 
 Used by the JAX backend and by torch_xla's own JAX calls (``call_jax``, which its Pallas kernels go
-through: the MoE grouped matmul). Example: ``torchax = import_torchax()``.
+through: the MoE grouped matmul, the splash kernel per context block). Example::
+
+    ensure_cpu_devices(8)          # before anything starts jax: later uses (the JAX backend) see 8 CPU devices
+    torchax = import_torchax()
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import types
 from typing import Iterator
@@ -64,3 +69,23 @@ def _flax_placeholder() -> Iterator[None]:
         for name in names:
             if sys.modules.get(name) is stubs[name]:
                 del sys.modules[name]
+
+
+def processes() -> int:
+    """How many processes ``jax.distributed.initialize`` joined (1 without it), read without starting jax."""
+    from jax._src import distributed  # the public jax.process_count() starts the backend, fixing its devices
+    return distributed.global_state.num_processes or 1
+
+
+def ensure_cpu_devices(needed: int) -> None:
+    """Ask jax's CPU client for ``max(needed, CPU_NUM_DEVICES)`` devices (``needed`` shared out over the
+    processes ``jax.distributed`` joined), unless jax has started or the user chose a count
+    (``jax_num_cpu_devices``, ``--xla_force_host_platform_device_count``)."""
+    import jax
+    if jax.config.jax_num_cpu_devices != -1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    count = max(-(-needed // processes()), int(os.environ.get("CPU_NUM_DEVICES", "0") or 0))
+    try:
+        jax.config.update("jax_num_cpu_devices", count)
+    except RuntimeError:
+        pass  # jax has started: its device count is fixed; the mesh check says so if it is too small

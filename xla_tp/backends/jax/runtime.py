@@ -3,8 +3,8 @@
 - ``import_torchax()`` (``backends.torchax``): torchax without its import-time side effect on the process
   (it turns off torch's ``nn.MultiheadAttention`` fast path); ``torchax_tracing()`` turns it off only while
   torchax traces, where the fast path's kernels do not exist.
-- ``ensure_cpu_devices(n)``: jax's CPU client gets ``n`` devices, or ``CPU_NUM_DEVICES`` (the
-  variable that sets torch_xla's CPU device count), if jax has not started yet.
+- ``ensure_cpu_devices(n)`` (``backends.torchax``): jax's CPU client gets ``n`` devices, or
+  ``CPU_NUM_DEVICES`` (the variable that sets torch_xla's CPU device count), if jax has not started yet.
 - ``shardy()``: every program this backend compiles uses Shardy (jax's default partitioner).
   torch_xla switches the whole process to GSPMD the first time it annotates a tensor, so without
   this the same model would compile differently depending on what ran before.
@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator, Optional
 
 import jax
@@ -30,6 +29,8 @@ import numpy as np
 import torch
 from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
+
+from ..torchax import ensure_cpu_devices, processes  # noqa: F401  (re-exported: the backend's set-up)
 
 # torch dtypes numpy lacks, moved as same-width integers: torch dtype -> (torch carrier, numpy carrier, jax dtype)
 _NUMPY_LACKS = {torch.bfloat16: (torch.int16, np.int16, jax.numpy.bfloat16),
@@ -48,25 +49,6 @@ def torchax_tracing() -> Iterator[None]:
         yield
     finally:
         torch.backends.mha.set_fastpath_enabled(before)
-
-
-def processes() -> int:
-    """How many processes ``jax.distributed.initialize`` joined (1 without it), read without starting jax."""
-    from jax._src import distributed  # the public jax.process_count() starts the backend, fixing its devices
-    return distributed.global_state.num_processes or 1
-
-
-def ensure_cpu_devices(needed: int) -> None:
-    """Ask jax's CPU client for ``max(needed, CPU_NUM_DEVICES)`` devices (``needed`` shared out over the
-    processes ``jax.distributed`` joined), unless jax has started or the user chose a count
-    (``jax_num_cpu_devices``, ``--xla_force_host_platform_device_count``)."""
-    if jax.config.jax_num_cpu_devices != -1 or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
-        return
-    count = max(-(-needed // processes()), int(os.environ.get("CPU_NUM_DEVICES", "0") or 0))
-    try:
-        jax.config.update("jax_num_cpu_devices", count)
-    except RuntimeError:
-        pass  # jax has started: its device count is fixed; the mesh check says so if it is too small
 
 
 def shardy() -> contextlib.AbstractContextManager:
