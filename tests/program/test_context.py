@@ -235,3 +235,22 @@ def test_the_jax_backend_splits_the_sequence_and_its_audit_counts_the_gathers():
     report = jm.audit(input_ids=ids)
     assert report.count("all-gather") == report.expected["all-gather"]["count"] == 4
     assert report.comm_ratio == pytest.approx(1.0) and report.compute_balance == pytest.approx(1.0)
+
+
+def test_generation_on_a_context_mesh_equals_cpu_generate_without_a_program_per_token():
+    """The prompt's prefill splits over the context axis (a length it divides), each decoded token is whole."""
+    from xla_tp.compiles import compiled
+    ref = tiny_llama(0, max_position_embeddings=512, **HEADS)
+    model = copy.deepcopy(ref)
+    xla_tp.parallelize_xla(model, "auto", mesh=xla_tp.make_mesh(context=4, model=2))
+    ids = torch.randint(0, 128, (2, 256))
+    dev = torch_xla.device()
+    before = compiled()
+    got = xla_tp.generate(model, ids.to(dev), max_new_tokens=8)
+    first = compiled() - before
+    assert torch.equal(got.cpu(), ref.generate(ids, max_new_tokens=8, do_sample=False))
+    assert first < 8                                   # fewer programs than tokens
+    before = compiled()
+    assert torch.equal(xla_tp.generate(model, ids.to(dev), max_new_tokens=16).cpu(),
+                       ref.generate(ids, max_new_tokens=16, do_sample=False))
+    assert compiled() == before                       # a longer generation reuses the same programs
