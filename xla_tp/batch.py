@@ -6,7 +6,7 @@ size is dimension 0 of the *main* input: the one the model names (``main_input_n
 passed, else the first tensor passed by position, else the first tensor passed by keyword. The main
 input is split, and so is every floating-point input whose dimension 0 has that size (a diffusion
 model's encoder states and latents, a second embedding), except what only positions a sequence
-(``cache_position``), and the ``labels``, which meet the outputs split as the main input. Other integer
+(``cache_position``); the ``labels`` are split too (they meet the outputs, split as the main input). Other integer
 and boolean side inputs (attention masks, position and token-type ids) are left to the compiler, which
 splits them as the values they meet: split before the model builds a mask from them (a gather indexed by
 positions), GSPMD moves the mask between devices. (Labels left to the compiler are miscompiled under a

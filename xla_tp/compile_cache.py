@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -76,15 +77,19 @@ def enable_compile_cache(path: Path, shared: bool = False, process_index: int = 
         return _without(path, "XLA already ran a computation in this process and the cache must start before the "
                               "first one; run the command in a fresh process, or pass --no-compile-cache",
                         "XLA ran before it")
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-test-{os.getpid()}"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
-        return _without(path, f"it cannot be written ({error.strerror or error}); pass --compile-cache DIR on a "
-                              f"writable disk, or --no-compile-cache", "not writable")
     writes = not shared or process_index == 0
+    try:
+        if writes:  # a unique probe: hosts sharing the directory may run with the same process id
+            path.mkdir(parents=True, exist_ok=True)
+            descriptor, probe = tempfile.mkstemp(prefix=".write-test-", dir=path)
+            os.close(descriptor)
+            os.unlink(probe)
+        elif not path.is_dir():  # a reader may start before the writer made it
+            path.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        return _without(path, f"it cannot be {'written' if writes else 'read'} ({error.strerror or error}); pass "
+                              f"--compile-cache DIR on a {'writable' if writes else 'shared'} disk, or "
+                              f"--no-compile-cache", "not writable" if writes else "not readable")
     xr.initialize_cache(str(path), readonly=not writes)
     return CompileCache(path, writes, found=_entries(path))
 
@@ -105,12 +110,20 @@ def add_cache_flags(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--no-compile-cache", action="store_true", help="compile everything, keep nothing on disk")
 
 
+def check_cache_flags(args: argparse.Namespace) -> None:
+    """``UsageError`` for flags that cannot work (both given, a file as the directory): called before the
+    runtime starts and on dry runs, so bad input stops the command before anything runs."""
+    if args.compile_cache is not None and args.no_compile_cache:
+        raise UsageError("--compile-cache and --no-compile-cache: pass one of them")
+    if args.compile_cache is not None:
+        check_path(Path(args.compile_cache).expanduser())
+
+
 def cache_from_args(args: argparse.Namespace, default: Path, process_index: int = 0) -> CompileCache:
     """The cache the flags ask for: ``--compile-cache DIR`` (shared), else torch_xla's own
     ``XLA_PERSISTENT_CACHE_PATH`` when set (shared), else ``default`` (this host's)."""
+    check_cache_flags(args)
     given, off = args.compile_cache, args.no_compile_cache
-    if given is not None and off:
-        raise UsageError("--compile-cache and --no-compile-cache: pass one of them")
     if off:
         os.environ.pop(ENV_PATH, None)
         return CompileCache(None, off="--no-compile-cache")

@@ -143,6 +143,28 @@ def test_calls_the_kernel_cannot_take_keep_the_einsum_route(case, monkeypatch):
     assert context_flash.plan(q, k, None, 0.0, True, 0.25, interpret=True) is None  # no context split outside
 
 
+def test_a_split_the_kernel_cannot_take_never_reaches_torch_xla_flash(monkeypatch):
+    """One key/value head broadcast to the queries' (torch's SDPA takes it, no enable_gqa) under a context split,
+    flash on, on a TPU (as reported): torch_xla's flash_attention, whose one partition spec would gather the
+    split queries back, is not called; the einsum route computes it."""
+    import torch_xla.experimental.custom_kernel as kernels
+    world = xla_tp.init_device_mesh("xla", (4, 2), mesh_dim_names=("cp", "tp"))
+    dev = torch_xla.device()
+    q, k, v = torch.randn(2, 4, 512, 16), torch.randn(2, 1, 512, 16), torch.randn(2, 1, 512, 16)
+    called = []
+    monkeypatch.setattr(xr, "device_type", lambda: "TPU")
+    monkeypatch.setattr(kernels, "flash_attention", lambda **kwargs: called.append(kwargs))
+    attention.use_flash_attention(True)
+    try:
+        qd = q.to(dev)
+        with xla_tp.context_parallel(world["cp"], buffers=[qd], buffer_seq_dims=[2]):
+            out = attention.sdpa(qd, k.to(dev), v.to(dev), is_causal=True)
+    finally:
+        attention.use_flash_attention(False)
+    assert not called
+    assert (out.cpu() - F.scaled_dot_product_attention(q, k, v, is_causal=True)).abs().max() < 1e-5
+
+
 @pytest.fixture
 def highest_precision():
     """float32 matmuls at full precision for the test (a TPU's default rounds their inputs to bfloat16)."""

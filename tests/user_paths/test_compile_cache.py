@@ -83,7 +83,8 @@ def test_a_file_is_bad_input_for_launch_and_generate_before_anything_runs(tmp_pa
     afile = tmp_path / "afile"
     afile.write_text("")
     for path in (afile, afile / "below"):
-        for command in (["launch", "--run-dir", str(tmp_path / "run")], ["generate", "--prompt", "x"]):
+        for command in (["launch", "--run-dir", str(tmp_path / "run")], ["launch", "--dry-run"],
+                        ["generate", "--prompt", "x"]):
             assert cli.main([*command, "--compile-cache", str(path), "steps=1"]) == 2
             err = capsys.readouterr().err
             assert err.count("\n") == 1 and f"compile cache {path}: a file, not a directory" in err, err

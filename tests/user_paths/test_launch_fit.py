@@ -132,6 +132,11 @@ def test_long_sequences_are_suggested_a_context_axis(tiny):
     report = estimate(meta, planned.specs, mesh, shape, long, small)
     tips = suggest(report, shape, 8, estimator(meta, plan_input(recipe), shape, long, small))
     assert tips == [f"mesh={{context: 8}}: {human(totals[best])} per chip (fits)"]
+    tiny_hbm = type(topo)(**{**vars(topo), "hbm_gib_per_chip": totals[best] / 4 / 2**30 / 0.9})
+    report = estimate(meta, planned.specs, mesh, shape, long, tiny_hbm)
+    tips = suggest(report, shape, 8, estimator(meta, plan_input(recipe), shape, long, tiny_hbm))
+    assert "nothing fits 8 chips: at seq_len=8192 the activations alone are" in tips[-1]   # not the weights
+    assert tips[-1].endswith("use a shorter seq_len, or a larger slice for a larger context axis")
 
 
 def test_70b_on_v5e_8_is_refused_with_numbers(capsys):

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional
 
-from ..compile_cache import add_cache_flags, cache_from_args
+from ..compile_cache import add_cache_flags, cache_from_args, check_cache_flags
 from ..compiles import compile_counts
 from ..console import UsageError, fail, one_line_warnings
 from ..errors import CheckpointError, GenerationError, MeshError, PlanError
@@ -48,7 +48,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int, default=0, help="the sampling seed")
-    add_cache_flags(p, str(default_cache()))
+    add_cache_flags(p, "$XDG_CACHE_HOME/xla_tp/xla_cache, else ~/.cache/xla_tp/xla_cache")
     p.set_defaults(func=generate_command)
 
 
@@ -100,6 +100,7 @@ def _generate(args: argparse.Namespace) -> int:
     tokenizer = tokenizer_for(recipe.data.kind, args.checkpoint, recipe.path)
     topology = load_topology(args.topology or recipe.topology)
     axes = check_for_topology(recipe, topology)
+    check_cache_flags(args)
     prepare_env(topology, dry_run=False)
     import torch_xla.runtime as xr
     with one_line_warnings("generate"):

@@ -245,7 +245,8 @@ def suggest(report: FitReport, shape: ModelShape, chips: int,
         return lines + [f"all of these together (smallest batch): {human(combined.total)} per chip (fits)"]
     state = (combined.params + combined.grads + combined.optimizer) * chips
     need = math.ceil(state / combined.usable) if combined.usable else chips
-    if need <= chips:  # the activations are what does not fit
+    rest = state // chips + combined.gathered  # per chip: what is not activations
+    if combined.usable and rest <= combined.usable < rest + combined.activations:  # the activations do not fit
         return lines + [f"nothing fits {chips} chips: at seq_len={combined.settings.seq_len} the activations alone "
                         f"are {human(combined.activations)} per chip on mesh {_flow(combined.mesh)} at the smallest "
                         f"batch; use a shorter seq_len, or a larger slice for a larger context axis"]

@@ -34,7 +34,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..compile_cache import add_cache_flags, cache_flags, cache_from_args
+from ..compile_cache import add_cache_flags, cache_flags, cache_from_args, check_cache_flags
 from ..console import UsageError, fail, one_line_warnings, quiet_xla_warnings
 from ..errors import MeshError, PlanError
 from .recipe import DEFAULT_RECIPE, check_for_topology, load_recipe
@@ -101,6 +101,7 @@ def _launch(args: argparse.Namespace) -> int:
     recipe = load_recipe(recipe_arg, overrides)
     topology = load_topology(args.topology or recipe.topology)
     axes = check_for_topology(recipe, topology)
+    check_cache_flags(args)
     if args.print_commands:
         from .commands import worker_commands
         print("\n".join(worker_commands(recipe_arg, topology, [*cache_flags(args), *overrides], args.tpu_name,

@@ -155,17 +155,11 @@ class Session:
 def estimator(meta: torch.nn.Module, plan: PlanInput, shape: ModelShape, settings: FitSettings,
               topology: Topology, graph: Optional[Graph] = None) -> Callable[[dict[str, int]], FitReport]:
     """``estimate`` for another mesh of the same chips: the plan is made again for that mesh (from the
-    model's ``graph`` when "auto" traced it already), once per mesh without its context axis (which
-    replicates the weights: their specs do not name it)."""
-    specs: dict[tuple, dict] = {}
-
+    model's ``graph`` when "auto" traced it already)."""
     def on(axes: dict[str, int]) -> FitReport:
         names = axis_names(axes)
         mesh = xs.Mesh(np.arange(topology.chips), tuple(axes.get(a, 1) for a in names), names)
-        key = tuple(sorted((a, s) for a, s in axes.items() if a != "context"))
-        if key not in specs:
-            specs[key] = plan_specs(meta, plan, mesh, graph).specs
-        return estimate(meta, specs[key], mesh, shape, settings, topology)
+        return estimate(meta, plan_specs(meta, plan, mesh, graph).specs, mesh, shape, settings, topology)
     return on
 
 

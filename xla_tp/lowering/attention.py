@@ -84,11 +84,12 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
          enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` as two einsums (or the flash kernel on TPU, see the module)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
-    if _FLASH["enabled"] and splits_queries(query) and (enable_gqa or key.shape[-3] == query.shape[-3]):
+    split = splits_queries(query)
+    if split and _FLASH["enabled"] and (enable_gqa or key.shape[-3] == query.shape[-3]):
         blocks = context_flash.plan(query, key, attn_mask, dropout_p, is_causal, scale, _FLASH["interpret"])
         if blocks is not None and as_kv_heads(key) is key:
             return context_flash.attention(query, key, value, blocks)
-    elif flash_eligible(query, key, attn_mask, dropout_p):
+    elif not split and flash_eligible(query, key, attn_mask, dropout_p):  # its one spec would gather a split
         from torch_xla.experimental.custom_kernel import flash_attention
         return flash_attention(**flash_call(query, key, value, attn_mask, is_causal, scale))
     return einsum_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -130,10 +130,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
         group = query.shape[1] // key.shape[1]  # gathered first: the repeat then runs on each device
         key, value = whole_key.repeat_interleave(group, dim=1), whole_value.repeat_interleave(group, dim=1)
         blocks = dataclasses.replace(blocks, kv_heads=blocks.heads)
-    from ..backends.torchax import ensure_cpu_devices, import_torchax
-    ensure_cpu_devices(1)  # if this starts jax: the CPU devices the JAX backend would give it, not one
-    import_torchax()  # torch_xla's call_jax needs torchax importable
+    _jax_ready()
     return _Splash.apply(query, key, value, blocks)
+
+
+@functools.cache
+def _jax_ready() -> None:
+    """Once per process: jax's CPU device count set if this starts jax (the JAX backend's, not one), and
+    torchax importable (torch_xla's ``call_jax`` needs it)."""
+    from ..backends.torchax import ensure_cpu_devices, import_torchax
+    ensure_cpu_devices(1)
+    import_torchax()
 
 
 class _Splash(torch.autograd.Function):
