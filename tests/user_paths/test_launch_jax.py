@@ -1,6 +1,8 @@
 """``xla-tp launch --backend jax [--hosts N]`` as users run it: the tiny recipe on JAX in one process and in two
 joined local processes (the same losses), a failing process failing the launch, Ctrl-C, the pod's commands, and
 the flags the JAX path refuses."""
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +59,29 @@ def test_ctrl_c_stops_every_process_after_the_same_step(tmp_path):
     assert "stopped after step" in out and "exited with status" not in err
 
 
+def _kill_process_one(launcher: subprocess.Popen) -> None:
+    """SIGKILL the launcher's child started with ``--process-index 1``."""
+    children = Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()
+    for pid in children:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if argv[argv.index(b"--process-index") + 1] == b"1":
+            os.kill(int(pid), signal.SIGKILL)
+            return
+    raise AssertionError(f"no process 1 among {children}")
+
+
+@pytest.mark.complete
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="finds the child through /proc (Linux)")
+def test_a_process_killed_mid_run_fails_the_launch(tmp_path):
+    """Process 1 killed during training: process 0 (waiting in the next step's collectives) is stopped, the
+    launch exits with status 1 and says which process failed."""
+    start = time.time()
+    status, out, err = interrupted([*TINY, "--hosts", "2", "steps=100000"], tmp_path, 2, _kill_process_one)
+    assert status == 1, out[-3000:] + err[-3000:]
+    assert "xla-tp launch: process 1 of 2 exited with status -9; the other processes were stopped" in err
+    assert time.time() - start < 400
+
+
 def test_a_failing_process_fails_the_launch_and_stops_the_others(capsys):
     """Process 1 fails at once; process 0 (which would wait ten minutes) is stopped; status 1, and which failed."""
     start = time.time()
@@ -95,3 +120,33 @@ def test_print_commands_for_a_jax_pod(capsys):
     assert hosts == [f"gcloud compute tpus tpu-vm ssh pod --zone=z --worker={i} --command='cd ~/xla_tp && xla-tp "
                      f"launch tiny-llama-cpu --topology v5e-16 steps=5 --backend jax --coordinator 10.0.0.2:8476 "
                      f"--num-processes 4 --process-index {i}'" for i in range(4)]
+
+
+def _running(pid: int) -> bool:
+    status = Path(f"/proc/{pid}/status")
+    try:
+        return "\nState:\tZ" not in status.read_text()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_the_processes_end_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL of the parent (no chance to stop them): its processes end too, not left training."""
+    sleeper = "import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close(); time.sleep(600)"
+    code = ("import sys; from xla_tp.launch.hosts import run_local_hosts; "
+            f"run_local_hosts([{str(tmp_path)!r}], 2, 8, launcher=[sys.executable, '-c', {sleeper!r}])")
+    parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=user_env())
+    try:
+        deadline = time.time() + 60
+        while len(list(tmp_path.iterdir())) < 2:
+            assert time.time() < deadline and parent.poll() is None
+            time.sleep(0.1)
+    finally:
+        parent.kill()
+        parent.wait()
+    pids = [int(p.name) for p in tmp_path.iterdir()]
+    deadline = time.time() + 20
+    while any(_running(pid) for pid in pids) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in pids if _running(pid)]

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -32,9 +33,11 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def interrupted(args: list[str], run_dir: Path, logged: int) -> tuple[int, str, str]:
-    """``xla-tp launch *args --run-dir run_dir`` in a fresh process, sent Ctrl-C once ``logged`` losses are in
-    its metrics; (exit status, stdout, stderr)."""
+def interrupted(args: list[str], run_dir: Path, logged: int,
+                interrupt: Callable[[subprocess.Popen], None] = lambda p: p.send_signal(signal.SIGINT)
+                ) -> tuple[int, str, str]:
+    """``xla-tp launch *args --run-dir run_dir`` in a fresh process, sent Ctrl-C (or ``interrupt(process)``) once
+    ``logged`` losses are in its metrics; (exit status, stdout, stderr)."""
     proc = subprocess.Popen([*LAUNCH, *args, "--run-dir", str(run_dir)],
                             cwd=ROOT, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -42,7 +45,7 @@ def interrupted(args: list[str], run_dir: Path, logged: int) -> tuple[int, str, 
         while len([r for r in _records(run_dir / "metrics.jsonl") if "loss" in r]) < logged:
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        interrupt(proc)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()

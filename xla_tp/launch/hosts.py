@@ -49,6 +49,13 @@ def child_env(devices: int) -> dict[str, str]:
             "XLA_FLAGS": " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])}
 
 
+def _end_with_parent() -> None:
+    """In a child, before it runs: on Linux, SIGTERM when the parent ends, even killed (``PR_SET_PDEATHSIG``)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+
+
 LAUNCHER = [sys.executable, "-m", "xla_tp.cli", "launch"]
 
 
@@ -59,7 +66,8 @@ def run_local_hosts(argv: list[str], hosts: int, chips: int, poll: float = 0.2,
     port = _free_port()
     env = child_env(chips // hosts)
     procs = [subprocess.Popen([*(launcher or LAUNCHER), *argv, *join_arguments(f"127.0.0.1:{port}", hosts, i)],
-                              env=env, start_new_session=True)     # Ctrl-C reaches them through the parent only
+                              env=env, start_new_session=True,     # Ctrl-C reaches them through the parent only
+                              preexec_fn=_end_with_parent)
              for i in range(hosts)]
     forwarded: dict[int, object] = {}
 
