@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from xla_tp import cli
-from xla_tp.launch.hosts import run_local_hosts
+from xla_tp.launch.hosts import free_port, run_local_hosts
 
 from ..fresh import user_env
 from .test_launch_run import _records, interrupted
@@ -28,7 +28,8 @@ def _launch(args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
 @pytest.mark.complete
 def test_two_joined_processes_train_as_one(tmp_path):
     """--hosts 2: two processes of 4 CPU devices joined into one data=2 x model=4 mesh give the one-process
-    losses, which are the torch_xla launcher's; only process 0 prints and writes metrics."""
+    losses, and so do the pod commands' flags run by hand, and the torch_xla launcher; only process 0 prints and
+    writes metrics."""
     one = _launch([*TINY, "--run-dir", str(tmp_path / "one")])
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]
     two = _launch([*TINY, "--hosts", "2", "--run-dir", str(tmp_path / "two")])
@@ -38,6 +39,21 @@ def test_two_joined_processes_train_as_one(tmp_path):
     runs = [[r for r in _records(tmp_path / name / "metrics.jsonl") if "loss" in r] for name in ("one", "two")]
     assert [r["step"] for r in runs[1]] == [1, 2, 3]
     assert [r["loss"] for r in runs[1]] == pytest.approx([r["loss"] for r in runs[0]], abs=1e-4)
+    # what --print-commands gives a pod's hosts, run by hand as two local processes (each does the checks)
+    port = free_port()
+    hosts = [subprocess.Popen([*LAUNCH, *TINY, "--run-dir", str(tmp_path / "pod"), "--coordinator",
+                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-index", str(i)], cwd=ROOT,
+                              env={**user_env(), "JAX_PLATFORMS": "cpu"}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        ran = [p.communicate(timeout=600) for p in hosts]
+    finally:
+        for p in hosts:
+            p.kill()
+    assert [p.returncode for p in hosts] == [0, 0], ran[0][1][-2000:] + ran[1][1][-2000:]
+    assert "8 cpu devices, 2 process(es)" in ran[0][0] and ran[1][0] == ""
+    pod = [r["loss"] for r in _records(tmp_path / "pod" / "metrics.jsonl") if "loss" in r]
+    assert pod == pytest.approx([r["loss"] for r in runs[0]], abs=1e-4)
     # the torch_xla launcher: the same model, batches and optimizer arithmetic (measured: within 1e-6)
     xla = _launch(["tiny-llama-cpu", "--no-audit", "--no-compile-cache", "steps=3", "log_interval=1", "--run-dir",
                    str(tmp_path / "xla")])
@@ -134,7 +150,7 @@ def _running(pid: int) -> bool:
 def test_the_processes_end_when_the_launcher_is_killed(tmp_path):
     """SIGKILL of the parent (no chance to stop them): its processes end too, not left training."""
     sleeper = "import os, sys, time; open(os.path.join(sys.argv[1], str(os.getpid())), 'w').close(); time.sleep(600)"
-    code = ("import sys; from xla_tp.launch.hosts import run_local_hosts; "
+    code = ("import sys; from xla_tp.launch.hosts import free_port, run_local_hosts; "
             f"run_local_hosts([{str(tmp_path)!r}], 2, 8, launcher=[sys.executable, '-c', {sleeper!r}])")
     parent = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=user_env())
     try:

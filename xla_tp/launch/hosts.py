@@ -24,7 +24,7 @@ JOIN_TIMEOUT = 120      # seconds for every process to reach the coordinator
 FAILED = 1
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,7 +63,7 @@ def run_local_hosts(argv: list[str], hosts: int, chips: int, poll: float = 0.2,
                     launcher: Optional[list[str]] = None) -> int:
     """Run ``xla-tp launch *argv`` (``launcher``: another command, for tests) as ``hosts`` joined local
     processes; the exit status (0, 130, or 1 with a line on stderr when a process failed)."""
-    port = _free_port()
+    port = free_port()
     env = child_env(chips // hosts)
     procs = [subprocess.Popen([*(launcher or LAUNCHER), *argv, *join_arguments(f"127.0.0.1:{port}", hosts, i)],
                               env=env, start_new_session=True,     # Ctrl-C reaches them through the parent only

@@ -14,6 +14,7 @@ loop, and a Ctrl-C seen by process 0 stops all of them after the same step. Exam
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,10 +108,9 @@ def train_jax(recipe: Recipe, topology: Topology, axes: dict[str, int], run_dir:
     import jax
 
     import xla_tp
-    from ..backends.jax.runtime import ensure_cpu_devices
     r = recipe
     reporter = Reporter(run_dir, process_index)
-    ensure_cpu_devices(topology.chips)       # on CPU, before jax starts: the slice's devices over the processes
+    cpu_devices(topology)
     if jax.device_count() != topology.chips:
         raise LaunchError(f"topology {topology.name} has {topology.chips} chips but jax sees {jax.device_count()} "
                           f"{jax.devices()[0].platform} devices over {jax.process_count()} process(es)")
@@ -165,6 +165,20 @@ def train_jax(recipe: Recipe, topology: Topology, axes: dict[str, int], run_dir:
         return 0
     finally:
         reporter.close()
+
+
+def cpu_devices(topology: Topology) -> None:
+    """A CPU topology's chips shared out over the joined processes, before jax starts (unless
+    ``--xla_force_host_platform_device_count`` chose already, as ``--hosts`` does)."""
+    import jax
+
+    from ..backends.jax.runtime import processes
+    if topology.is_tpu or "xla_force_host_platform_device_count" in os.environ.get("XLA_FLAGS", ""):
+        return
+    try:
+        jax.config.update("jax_num_cpu_devices", topology.chips // processes())
+    except RuntimeError:
+        pass  # jax has started: its device count is fixed, and the check after this says so if it is wrong
 
 
 def _stop(mine: bool) -> bool:
