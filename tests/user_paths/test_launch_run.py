@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -32,21 +33,30 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def test_tiny_recipe_trains_logs_jsonl_and_stops_cleanly_on_ctrl_c(tmp_path):
-    """The default recipe on cpu-8: the loss falls, metrics land in JSONL, Ctrl-C ends it with status 130."""
-    proc = subprocess.Popen([*LAUNCH, "tiny-llama-cpu", "--run-dir", str(tmp_path), "steps=100000", "log_interval=3",
-                             "model.overrides.num_hidden_layers=2"],
+def interrupted(args: list[str], run_dir: Path, logged: int,
+                interrupt: Callable[[subprocess.Popen], None] = lambda p: p.send_signal(signal.SIGINT)
+                ) -> tuple[int, str, str]:
+    """``xla-tp launch *args --run-dir run_dir`` in a fresh process, sent Ctrl-C (or ``interrupt(process)``) once
+    ``logged`` losses are in its metrics; (exit status, stdout, stderr)."""
+    proc = subprocess.Popen([*LAUNCH, *args, "--run-dir", str(run_dir)],
                             cwd=ROOT, env=user_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 420
-        while len([r for r in _records(tmp_path / "metrics.jsonl") if "loss" in r]) < 5:
+        while len([r for r in _records(run_dir / "metrics.jsonl") if "loss" in r]) < logged:
             assert proc.poll() is None and time.time() < deadline, proc.communicate()
             time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
+        interrupt(proc)
         out, err = proc.communicate(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 130, out[-3000:] + err[-3000:]
+    return proc.returncode, out, err
+
+
+def test_tiny_recipe_trains_logs_jsonl_and_stops_cleanly_on_ctrl_c(tmp_path):
+    """The default recipe on cpu-8: the loss falls, metrics land in JSONL, Ctrl-C ends it with status 130."""
+    status, out, err = interrupted(["tiny-llama-cpu", "steps=100000", "log_interval=3",
+                                    "model.overrides.num_hidden_layers=2"], tmp_path, 5)
+    assert status == 130, out[-3000:] + err[-3000:]
     records = _records(tmp_path / "metrics.jsonl")
     steps = [r for r in records if "loss" in r]
     assert [r["step"] for r in steps[:5]] == [1, 3, 6, 9, 12]

@@ -4,7 +4,8 @@ Recipes (``recipes/*.yaml``) name a model, a slice and a plan; topologies (``tpu
 describe the slices. The launcher checks memory per chip before anything is allocated, then trains
 with progress, JSONL metrics and clean stops. Modules: ``recipe``/``topology`` (strict loading),
 ``model``, ``plans``, ``fit``, ``data``, ``train``, ``progress``, ``commands``, ``checkpoints``,
-``rerun`` (an earlier run's files: resume, refuse, move aside), ``check``, ``session`` and ``main`` (the command). Example::
+``rerun`` (an earlier run's files: resume, refuse, move aside), ``check``, ``session``, ``jax_run`` and
+``hosts`` (``--backend jax [--hosts N]``) and ``main`` (the command). Example::
 
     from xla_tp.launch import load_recipe, load_topology
     recipe = load_recipe("tiny-llama-cpu", ["steps=20"])

@@ -10,21 +10,36 @@ through the TPU runtime, and only process 0 logs, draws progress and writes metr
 from __future__ import annotations
 
 import shlex
+from typing import Optional
 
 from .topology import Topology
 
 
-def launch_command(recipe: str, topology: Topology, overrides: list[str], workdir: str) -> str:
-    """The shell command one worker runs: ``cd WORKDIR && PJRT_DEVICE=TPU xla-tp launch ...``."""
+def launch_command(recipe: str, topology: Topology, overrides: list[str], workdir: str,
+                   jax_join: Optional[list[str]] = None) -> str:
+    """The shell command one worker runs: ``cd WORKDIR && PJRT_DEVICE=TPU xla-tp launch ...``; with
+    ``jax_join`` (the worker's ``--coordinator ... --process-index i`` flags), ``xla-tp launch --backend jax``."""
     args = ["xla-tp", "launch", recipe, "--topology", topology.name, *overrides]
+    if jax_join is not None:
+        return f"cd {workdir} && " + " ".join(shlex.quote(a) for a in [*args, "--backend", "jax"]) + " " + " ".join(jax_join)
     return f"cd {workdir} && PJRT_DEVICE=TPU " + " ".join(shlex.quote(a) for a in args)
 
 
 def worker_commands(recipe: str, topology: Topology, overrides: list[str], tpu_name: str = '"$TPU_NAME"',
-                    zone: str = '"$ZONE"', workdir: str = "~/xla_tp") -> list[str]:
-    """A comment header, then one ``gcloud ... ssh --worker=i`` line per TPU VM worker."""
-    inner = launch_command(recipe, topology, overrides, workdir)
+                    zone: str = '"$ZONE"', workdir: str = "~/xla_tp", jax_coordinator: Optional[str] = None) -> list[str]:
+    """A comment header, then one ``gcloud ... ssh --worker=i`` line per TPU VM worker. With
+    ``jax_coordinator`` (worker 0's ``HOST:PORT``), the JAX backend's commands: each worker is told the
+    coordinator, the process count and its own index (``jax.distributed.initialize``)."""
     ssh = f"gcloud compute tpus tpu-vm ssh {tpu_name} --zone={zone}"
+    if jax_coordinator is not None:
+        from .hosts import join_arguments
+        head = [f"# {topology.name} ({topology.accelerator}): {topology.hosts} host(s) x {topology.chips_per_host} "
+                f"chips, JAX backend: start every worker; they join worker 0 at {jax_coordinator} (its internal "
+                f"address: --coordinator HOST:PORT), and only process 0 prints progress and writes metrics."]
+        return head + [f"{ssh} --worker={i} --command=" + shlex.quote(launch_command(
+            recipe, topology, overrides, workdir, join_arguments(jax_coordinator, topology.hosts, i)))
+            for i in range(topology.hosts)]
+    inner = launch_command(recipe, topology, overrides, workdir)
     head = [f"# {topology.name} ({topology.accelerator}): {topology.hosts} TPU VM worker(s) x "
             f"{topology.chips_per_host} chips = {topology.chips} chips. Start every worker: they wait for each "
             f"other, and only process 0 prints progress and writes metrics.",
