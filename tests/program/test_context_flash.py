@@ -68,7 +68,8 @@ def _run(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict, s
     return out.cpu(), grads, hlo
 
 
-@pytest.mark.parametrize("kv_heads,causal", [(4, True), (2, True), (1, True), (4, False)])
+@pytest.mark.parametrize("kv_heads,causal", [(2, True), *(pytest.param(*c, marks=pytest.mark.complete)
+                                                          for c in ((4, True), (1, True), (4, False)))])
 def test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward(kernel_calls, kv_heads, causal):
     torch.manual_seed(0)
     ref = Attention(kv_heads=kv_heads, causal=causal)
@@ -93,6 +94,7 @@ def test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward(kernel_ca
     assert set(collectives_of(hlo)) == {"all-gather", "all-reduce"}
 
 
+@pytest.mark.complete  # 45 s
 def test_llama_with_the_kernel_per_context_block_equals_the_cpu_model(kernel_calls):
     seq = 512
     ref = tiny_llama(0, max_position_embeddings=seq, num_attention_heads=4, num_key_value_heads=2)

@@ -38,6 +38,7 @@ def _run(cache: Path) -> tuple[dict, dict]:
     return parse_summary(out), last_counters(out)
 
 
+@pytest.mark.complete  # two fresh processes
 def test_a_second_process_looks_up_every_entry_the_first_wrote(tmp_path):
     """Two fresh processes compute the same two programs with the cache in one directory: the first writes an
     entry per program (files on disk = its "written" = torch_xla's misses); the second looks each of them up (a
