@@ -15,6 +15,7 @@ divide, one decoded token) each returns its inputs. Example (inside a paralleliz
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from typing import Any, Callable, Iterator, Optional
 
@@ -131,8 +132,7 @@ def context_split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     sharder, batch, seq, tp = found
     sizes = sharder.sizes
 
-    def heads(t: torch.Tensor) -> Optional[str]:
-        return _heads(t, tp, sizes)
+    heads = functools.partial(_heads, tp=tp, sizes=sizes)
     split_before = bool(sequence_axes(sizes, key.shape[2]))  # keys as long as the queries: split before
     whole = [sharder.constrain(t, (spec_entry(batch), heads(t), None, None)) for t in (key, value)]
     record = _gathers.value
