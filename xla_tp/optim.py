@@ -12,14 +12,19 @@ step). For XLA tensors xla_tp performs the same rounding with XLA's ``BitcastCon
 so the whole optimizer step stays one compiled program (``lazy_rounding``, a ``compat`` effect).
 torchao's 8-bit, 4-bit and FP8 optimizers keep their states in tensor subclasses, which
 torch_xla's functionalization cannot hold: they are refused with ``OptimizerError`` before the
-first step touches anything. The step pre-hook of ``xla_tp.guard`` calls ``adapt_optimizer``.
-Example::
+first step touches anything. torch's fused kernels (``Adam``/``AdamW``/``SGD``/``Adagrad`` with
+``fused=True``, the default of transformers' ``Trainer``: ``optim="adamw_torch_fused"``) exist for CUDA,
+CPU, MPS, XPU and HPU, and refuse XLA parameters at the first step; on XLA the whole update is traced and
+compiled by XLA into the step's program, which fuses it anyway, so a group of XLA parameters runs the same
+update unfused (``fused`` set to False: the same arithmetic, nothing lost). The step pre-hook of
+``xla_tp.guard`` calls ``before_step``. Example::
 
     opt = torchao.optim._AdamW(model.parameters(), bf16_stochastic_round=True)
     opt.step()      # runs; exp_avg / exp_avg_sq sharded like each parameter
 """
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from typing import Callable
@@ -30,13 +35,17 @@ from .bitcast import f32_as_i32, i32_as_f32
 from .errors import OptimizerError
 from .state import param_state
 
+log = logging.getLogger(__name__)
+
 _stances: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> the stance its step runs under
+_unfused: weakref.WeakSet = weakref.WeakSet()  # optimizers told they run unfused (said once each)
 
 
 def before_step(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimizer that cannot run on XLA parameters (``OptimizerError``, nothing changed);
     put torchao's compiled update into eager mode for the step. ``after_step`` undoes the latter."""
     after_step(optimizer)  # a step that raised left its stance behind
+    _unfuse(optimizer)
     adam = sys.modules.get("torchao.optim.adam")
     if adam is None or not isinstance(optimizer, adam._AdamBase):
         return
@@ -50,6 +59,18 @@ def before_step(optimizer: torch.optim.Optimizer) -> None:
             f"torch.optim.AdamW: xla_tp shards their states like the parameters, which divides "
             f"optimizer memory by the mesh size")
     _stances[optimizer] = torch.compiler.set_stance("force_eager")
+
+
+def _unfuse(optimizer: torch.optim.Optimizer) -> None:
+    """``fused=False`` for the parameter groups of ``optimizer`` that ask for a fused kernel and hold XLA
+    parameters (see the module docstring)."""
+    for group in optimizer.param_groups:
+        if group.get("fused") and any(p.device.type == "xla" for p in group["params"]):
+            group["fused"] = False
+            if optimizer not in _unfused:
+                _unfused.add(optimizer)
+                log.info("xla_tp: %s(fused=True) runs unfused on XLA (XLA compiles and fuses the whole step)",
+                         type(optimizer).__name__)
 
 
 def after_step(optimizer: torch.optim.Optimizer) -> None:

@@ -44,3 +44,13 @@ def test_test_extra_has_what_the_notebook_test_needs():
 def test_readme_and_notebook_install_the_tpu_extra():
     assert 'pip install -e ".[tpu]"' in (ROOT / "README.md").read_text()
     assert '[tpu]' in (ROOT / "notebooks" / "quickstart.ipynb").read_text()
+
+
+def test_the_peft_pin_imports_beside_the_torchao_pin():
+    """peft 0.19 and later refuse torchao < 0.16 at their first LoRA layer; the pin is the newest that does not."""
+    extras = setup_kwargs()["extras_require"]
+    pins = {r.name: str(r.specifier) for name in ("peft", "torchao", "test") for r in map(Requirement, extras[name])}
+    assert pins["peft"] == f"=={importlib.metadata.version('peft')}"
+    assert pins["torchao"] == f"=={importlib.metadata.version('torchao')}"
+    from peft.import_utils import is_torchao_available
+    assert is_torchao_available()  # raises ImportError for a peft that refuses this torchao
