@@ -197,6 +197,23 @@ def test_mirrored_chunks_give_every_device_as_many_causal_blocks(mirrored):
         assert [int((per_device[:, c] != 0).sum()) for c in range(shards)] == [2 * n for n in needed]
 
 
+@pytest.mark.parametrize("shards", [2, 3, 4, 5, 8])
+def test_the_exchange_routes_put_every_chunk_where_the_mirrored_order_wants_it(shards):
+    """``_mirror``'s two permutes, simulated on chunk numbers: device d sends its chunk 2d along the even route and
+    2d + 1 along the odd one; each device keeps them in the order of its parity; the result is chunks c and
+    2C - 1 - c on device c, and the routes back restore 2d, 2d + 1."""
+    even, odd = context_flash._routes(shards)
+    for route in (even, odd):
+        assert sorted(a for a, _ in route) == sorted(b for _, b in route) == list(range(shards))
+    got_even, got_odd = dict((b, 2 * a) for a, b in even), dict((b, 2 * a + 1) for a, b in odd)
+    held = [(got_even[c], got_odd[c]) if c % 2 == 0 else (got_odd[c], got_even[c]) for c in range(shards)]
+    assert held == [(c, 2 * shards - 1 - c) for c in range(shards)]
+    back_even = {a: held[b][0 if b % 2 == 0 else 1] for a, b in even}
+    back_odd = {a: held[b][1 if b % 2 == 0 else 0] for a, b in odd}
+    assert [(back_even[d], back_odd[d]) for d in range(shards)] == [(2 * d, 2 * d + 1) for d in range(shards)]
+    assert context_flash.mirrored_order(2 * shards, shards).tolist() == [c for pair in held for c in pair]
+
+
 @pytest.mark.parametrize("case", ["balanced", "off", "not causal", "chunks under 128"])
 def test_the_kernel_takes_mirrored_chunks_where_they_apply(case):
     world = xla_tp.init_device_mesh("xla", (4, 2), mesh_dim_names=("cp", "tp"))
@@ -287,7 +304,7 @@ def test_compiled_kernel_on_tpu_equals_cpu_sdpa(kernel_calls, highest_precision)
     model = copy.deepcopy(ref).to(torch_xla.device())
     x = torch.randn(2, 2048, 512)
     out, grads, _ = _run(model, x)
-    assert [b.interpret for b in kernel_calls] == [False]
+    assert [(b.interpret, b.mirrored) for b in kernel_calls] == [(False, True)]  # the causal load balance
     xc = x.clone().requires_grad_()
     want = ref(xc)
     (want * x.flip(-1)).sum().backward()
