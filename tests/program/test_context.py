@@ -62,6 +62,31 @@ def test_the_audit_counts_the_context_gathers_and_the_sequence_split():
     assert bwd.compute_balance == pytest.approx(1.0)
 
 
+def _bytes(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def test_the_planners_block_prices_count_what_the_audits_minimum_counts():
+    """``plan_for(...).explain()`` on context=4 x model=2 prints per block the bytes each device moves for the
+    traced input: Megatron's all-reduce of its tokens and the keys and values gathered over the context axis;
+    those and their total are the audit's minimum for the same input (which adds the embedding's all-reduce)."""
+    model = tiny_llama(0, max_position_embeddings=512, **HEADS)
+    ids = torch.randint(0, 128, (2, 512))
+    mesh = xla_tp.make_mesh(context=4, model=2)
+    plan = xla_tp.plan_for(model, mesh=mesh, example_inputs=(ids,))
+    text = plan.explain(model)
+    layers = model.config.num_hidden_layers
+    blocks = [tuple(map(_bytes, m)) for m in re.findall(rf"\(x{layers}\): ([\d,]+) \+ ([\d,]+) = ([\d,]+)", text)]
+    total = _bytes(re.search(r"blocks total: ([\d,]+) bytes/device", text)[1])
+    xla_tp.parallelize_xla(model, plan, mesh=mesh)
+    report = xla_tp.audit(model, input_ids=ids.to(torch_xla.device()))
+    embedding = ids.numel() // 4 * model.config.hidden_size * 4  # each device's tokens' embeddings, float32
+    assert len(blocks) == 2 and all(megatron + gathers == moved for megatron, gathers, moved in blocks)
+    assert sum(gathers for _, gathers, _ in blocks) * layers == report.expected["all-gather"]["bytes"] > 0
+    assert sum(megatron for megatron, _, _ in blocks) * layers + embedding == report.expected["all-reduce"]["bytes"]
+    assert total == sum(moved for *_, moved in blocks) * layers == report.comm_minimum_bytes - embedding
+
+
 @pytest.mark.parametrize("family", ["Qwen2", "Gemma2"])
 def test_a_padding_mask_by_keyword_costs_no_all_to_all(family):
     """An attention mask (a left-padded row) and transformers' KV cache: the key/value gathers are the only

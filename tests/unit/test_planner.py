@@ -120,6 +120,25 @@ def test_heads_the_axis_does_not_divide_take_the_cheapest_alternative(mesh):
         plan_for(model, mesh=mesh, strict=True)
 
 
+def test_a_context_axis_prices_the_key_value_gathers_alike_for_every_alternative():
+    """3 heads on 2 devices (off the optimum): on context=4 x model=2 each alternative moves the same key/value
+    gathers on top of each device's quarter of the tokens' traffic, and the same one wins."""
+    cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=1, num_attention_heads=3,
+                                   vocab_size=128)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 128, (1, 16))
+    first = plan_for(model, mesh={"model": 2}, example_inputs=(ids,))
+    plain, split = first.choices[0], plan_for(model, mesh={"context": 4, "model": 2}, example_inputs=(ids,),
+                                                   graph=first.graph).choices[0]
+    assert [a.name for a in split.alternatives] == [a.name for a in plain.alternatives]
+    gathers = 2 * ids.numel() * cfg.hidden_size * 4  # the keys and values whole (3 heads: not split), float32
+    for a, b in zip(plain.alternatives, split.alternatives):
+        assert (a.price.gathers, b.price.gathers) == (0, gathers)
+        assert b.price.comm == a.price.comm / 4 + gathers and b.price.minimum == a.price.minimum / 4 + gathers
+        assert b.price.flops == a.price.flops / 4
+    assert "key/value gathers over the context axis" in split.chosen.price.text(2)
+
+
 ADDMM, LINEAR = torch.addmm, torch.nn.functional.linear
 
 

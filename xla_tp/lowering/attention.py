@@ -33,15 +33,18 @@ from .context import context_split, splits_queries
 from .copies import as_kv_heads
 from .packed import packed_blocks
 
-_FLASH = {"enabled": False, "interpret": False}
+_FLASH = {"enabled": False, "interpret": False, "balance": True}
 _masks = threading.local()
 
 
-def use_flash_attention(enabled: bool = True, interpret: bool = False) -> None:
+def use_flash_attention(enabled: bool = True, interpret: bool = False, balance: bool = True) -> None:
     """Route eligible SDPA calls to Pallas flash attention (TPU only; einsum elsewhere): torch_xla's
     ``flash_attention``, or under a context split the splash kernel per query block (``context_flash``).
-    ``interpret`` (for tests) runs the latter in Pallas' interpreter, on any device."""
-    _FLASH["enabled"], _FLASH["interpret"] = bool(enabled), bool(interpret)
+    ``interpret`` (for tests) runs the latter in Pallas' interpreter, on any device. ``balance`` (the
+    default) runs a causal call there on two mirrored chunks per device, so each computes as many blocks
+    (four collective-permutes of queries and outputs per layer forward, six backward); ``False`` keeps
+    each device's contiguous queries."""
+    _FLASH["enabled"], _FLASH["interpret"], _FLASH["balance"] = bool(enabled), bool(interpret), bool(balance)
 
 
 def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -86,7 +89,8 @@ def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask:
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     split = splits_queries(query)
     if split and _FLASH["enabled"] and (enable_gqa or key.shape[-3] == query.shape[-3]):
-        blocks = context_flash.plan(query, key, attn_mask, dropout_p, is_causal, scale, _FLASH["interpret"])
+        blocks = context_flash.plan(query, key, attn_mask, dropout_p, is_causal, scale, _FLASH["interpret"],
+                                    _FLASH["balance"])
         if blocks is not None and as_kv_heads(key) is key:
             return context_flash.attention(query, key, value, blocks)
     elif not split and flash_eligible(query, key, attn_mask, dropout_p):  # its one spec would gather a split

@@ -29,10 +29,18 @@ TPU when the kernel's constraints hold: no mask or dropout, as many queries as k
 all keys a multiple of 128 (the kernel's lane width), outside ``torch.compile`` (dynamo cannot trace
 ``call_jax``), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
 torch_xla's device ``i``). Elsewhere attention takes the einsum route. ``interpret=True`` runs the kernel in
-Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU). Example (inside a
-parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v ``[2, 4, 2048, 128]``)::
+Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU).
 
-    blocks = plan(q, k, None, 0.0, True, 128 ** -0.5)    # Blocks(... block_q=512, block_kv=512 ...)
+Causal load balance: the kernel skips the key blocks above the diagonal, so on contiguous query blocks the
+device holding the last queries computes about ``2C - 1`` times the blocks of the first. Where the sequence
+cuts into ``2C`` chunks of a multiple of 128 tokens, each device computes two mirrored chunks instead (``c``
+and ``2C - 1 - c``, ``mirrored_order``): inside the shard_map it sends its queries there (two
+collective-permutes, ``_mirror``), the kernel's table of query positions is in that order (its mask tables
+follow), and the outputs come back (two more; JAX's derivative: the reverse permutes). The model's inputs and
+outputs keep their order. Example (inside a parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v
+``[2, 4, 2048, 128]``)::
+
+    blocks = plan(q, k, None, 0.0, True, 128 ** -0.5)    # Blocks(... block_q=256, block_kv=512, mirrored=True)
     out = attention(q, k, v, blocks)                     # [2, 4, 2048, 128], queries split over context
 """
 from __future__ import annotations
@@ -46,7 +54,7 @@ import torch
 
 from ..axes import spec_entry
 from ..batch import ways
-from .context import context_split, query_layout
+from .context import context_split, query_layout, record_exchange
 
 BLOCK_SIZES = (512, 256, 128)  # the kernel's block sizes tried, largest first (multiples of its 128 lanes)
 
@@ -77,6 +85,7 @@ class Blocks:
     block_q: int
     block_kv: int
     interpret: bool = False
+    mirrored: bool = False
 
     def ways(self, entry: Any) -> int:
         """How many devices a partition-spec entry spans."""
@@ -90,10 +99,11 @@ def _identity_order(mesh: Any) -> bool:
 
 
 def plan(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor], dropout_p: float,
-         is_causal: bool, scale: float, interpret: bool = False) -> Optional[Blocks]:
+         is_causal: bool, scale: float, interpret: bool = False, balance: bool = True) -> Optional[Blocks]:
     """The kernel's ``Blocks`` for SDPA of ``query`` ``[b, h, s, d]`` against ``key`` ``[b, kv, s, d]`` when
     the queries are split over a context axis here and the kernel can take the call (see the module; on a
-    TPU unless ``interpret``), else None."""
+    TPU unless ``interpret``), else None. With ``balance``, a causal call whose ``2 * context`` chunks
+    are each a multiple of the kernel's 128 lanes runs on mirrored chunks (``mirrored_order``)."""
     if attn_mask is not None or dropout_p or query.dim() != 4 or key.dim() != 4 or query.device.type != "xla":
         return None
     if torch.compiler.is_compiling():  # dynamo cannot trace call_jax (torch_xla's own splash needs a custom op)
@@ -109,14 +119,28 @@ def plan(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tenso
         import torch_xla.runtime as xr
         if xr.device_type() != "TPU":
             return None
-    length = query.shape[2]
-    block_q, block_kv = block_size(length // ways(seq, sharder.sizes)), block_size(length)
+    length, shards = query.shape[2], ways(seq, sharder.sizes)
+    mirrored = balance and is_causal and shards > 1 and length % (2 * shards) == 0 \
+        and block_size(length // (2 * shards)) is not None
+    block_q, block_kv = block_size(length // (2 * shards if mirrored else shards)), block_size(length)
     if block_q is None or block_kv is None:
         return None
     return Blocks(axes=tuple((str(a), int(s)) for a, s in zip(mesh.axis_names, mesh.mesh_shape)),
                   batch=spec_entry(batch), heads=heads, kv_heads=kv_heads if heads else None,
                   seq=spec_entry(seq), causal=bool(is_causal), scale=float(scale), block_q=block_q,
-                  block_kv=block_kv, interpret=interpret)
+                  block_kv=block_kv, interpret=interpret, mirrored=mirrored)
+
+
+def mirrored_order(length: int, shards: int) -> np.ndarray:
+    """The query positions in the balanced order: the sequence cut into ``2 * shards`` chunks, device ``c``
+    holding chunk ``c`` then chunk ``2 * shards - 1 - c``, so under a causal mask every device's queries
+    meet as many keys (a late chunk pairs with an early one).
+
+    >>> mirrored_order(8, 2).tolist()
+    [0, 1, 6, 7, 2, 3, 4, 5]
+    """
+    chunks = np.arange(length, dtype=np.int32).reshape(2 * shards, -1)
+    return np.concatenate([np.concatenate([chunks[c], chunks[2 * shards - 1 - c]]) for c in range(shards)])
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: Blocks) -> torch.Tensor:
@@ -126,6 +150,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
     shard_map gathers them and reduce-scatters their gradients (``context_split``'s layout of them would
     gather their gradients back), except where their heads must be repeated first."""
     query, whole_key, whole_value, _ = context_split(query, key, value)
+    if blocks.mirrored:  # two chunks in and two out per device (``_mirror``), for the audit's minimum
+        shards = blocks.ways(blocks.seq)
+        chunk = query.numel() // (blocks.ways(blocks.batch) * blocks.ways(blocks.heads) * 2 * shards)
+        for _ in range(4):
+            record_exchange(chunk, shards, query.dtype, query.requires_grad)
     if blocks.heads and not blocks.kv_heads and key.shape[1] != query.shape[1]:  # groups straddle the devices
         group = query.shape[1] // key.shape[1]  # gathered first: the repeat then runs on each device
         key, value = whole_key.repeat_interleave(group, dim=1), whole_value.repeat_interleave(group, dim=1)
@@ -165,25 +194,62 @@ class _Splash(torch.autograd.Function):
 def _kernel(blocks: Blocks, heads: int, length: int) -> tuple[Any, Any, Any]:
     """(the splash kernel, its shard_map spec, the JAX mesh) for ``heads`` query heads over ``length`` tokens:
     causal, the global mask with its tables split over the heads' and the sequence's axes (each device's
-    query positions with them); else every device's block alike, its tables split over the heads only
-    (jax 0.7's backward tables of a full mask split along the queries fail: no partial block to pad)."""
+    query positions with them; ``mirrored``: positions in ``mirrored_order``, so each device's tables skip
+    as many blocks); else every device's block alike, its tables split over the heads only (jax 0.7's
+    backward tables of a full mask split along the queries fail: no partial block to pad)."""
     import jax
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
     from jax.sharding import NamedSharding, PartitionSpec
 
-    seq_shards = blocks.ways(blocks.seq) if blocks.causal else 1
-    mask = sm.CausalMask((length, length)) if blocks.causal else sm.FullMask((length // blocks.ways(blocks.seq), length))
+    shards = blocks.ways(blocks.seq)
+    if blocks.causal:
+        mask = sm.CausalMask((length, length))
+        if blocks.mirrored:  # the kernel computes its mask from each row's position in this table
+            mask.q_sequence = mirrored_order(length, shards)
+    else:
+        mask = sm.FullMask((length // shards, length))
     bq, bkv = blocks.block_q, blocks.block_kv
     sizes = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv, block_q_dkv=bq, block_kv_dkv=bkv,
                           block_kv_dkv_compute=bkv, use_fused_bwd_kernel=True)
     kernel = sk.make_splash_mha(sm.MultiHeadMask([mask] * heads), block_sizes=sizes,
-                                head_shards=blocks.ways(blocks.heads), q_seq_shards=seq_shards,
+                                head_shards=blocks.ways(blocks.heads), q_seq_shards=shards if blocks.causal else 1,
                                 interpret=blocks.interpret)
     names, counts = zip(*blocks.axes)
     mesh = jax.sharding.AbstractMesh(counts, names)
     tables = PartitionSpec(blocks.heads, blocks.seq if blocks.causal else None)
     return kernel, kernel.manual_sharding_spec(NamedSharding(mesh, tables)), mesh
+
+
+def _routes(shards: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The (source, destination) devices of the even chunks (``2d`` on device ``d``) and of the odd ones
+    (``2d + 1``) into ``mirrored_order``: chunk ``h`` goes to device ``min(h, 2 * shards - 1 - h)``. Each is
+    a permutation of the devices, so each is one collective-permute.
+
+    >>> _routes(4)
+    ([(0, 0), (1, 2), (2, 3), (3, 1)], [(0, 1), (1, 3), (2, 2), (3, 0)])
+    """
+    def home(chunk: int) -> int:
+        return min(chunk, 2 * shards - 1 - chunk)
+    return [(d, home(2 * d)) for d in range(shards)], [(d, home(2 * d + 1)) for d in range(shards)]
+
+
+def _mirror(x: Any, blocks: Blocks, back: bool = False) -> Any:
+    """One device's queries (dimension 2) from the contiguous order into ``mirrored_order`` (``back``: the
+    reverse): two collective-permutes over the context axis, an even chunk and an odd one per device (an
+    even device's first mirrored chunk is the even one, an odd device's the odd one)."""
+    import jax
+    import jax.numpy as jnp
+    even, odd = _routes(blocks.ways(blocks.seq))
+    first, second = jnp.split(x, 2, axis=2)
+    in_order = jax.lax.axis_index(blocks.seq) % 2 == 0
+    if back:
+        even, odd = ([(b, a) for a, b in pairs] for pairs in (even, odd))
+        first, second = jnp.where(in_order, first, second), jnp.where(in_order, second, first)
+    got_even, got_odd = jax.lax.ppermute(first, blocks.seq, even), jax.lax.ppermute(second, blocks.seq, odd)
+    if back:
+        return jnp.concatenate([got_even, got_odd], axis=2)
+    return jnp.concatenate([jnp.where(in_order, got_even, got_odd), jnp.where(in_order, got_odd, got_even)], axis=2)
 
 
 def _specs(blocks: Blocks) -> tuple[Any, Any, Any]:
@@ -195,10 +261,15 @@ def _specs(blocks: Blocks) -> tuple[Any, Any, Any]:
             PartitionSpec(blocks.batch, blocks.kv_heads, blocks.seq, None))
 
 
-def _local(kernel: Any, q: Any, k: Any, v: Any, scale: float) -> Any:
-    """The kernel on one device's queries ``[b, h, q, d]`` against its keys and values ``[b, kv, s, d]``."""
+def _local(kernel: Any, q: Any, k: Any, v: Any, blocks: Blocks) -> Any:
+    """The kernel on one device's queries ``[b, h, q, d]`` against its keys and values ``[b, kv, s, d]``
+    (``mirrored``: on its mirrored chunks, the output back in its own order; JAX's derivative of the
+    permutes is the reverse permutes)."""
     import jax
-    return jax.vmap(kernel)((q * scale).astype(q.dtype), k, v)
+    if blocks.mirrored:
+        q = _mirror(q, blocks)
+    out = jax.vmap(kernel)((q * blocks.scale).astype(q.dtype), k, v)
+    return _mirror(out, blocks, back=True) if blocks.mirrored else out
 
 
 def _sharded(query: Any, key: Any, value: Any, blocks: Blocks) -> Any:
@@ -206,7 +277,7 @@ def _sharded(query: Any, key: Any, value: Any, blocks: Blocks) -> Any:
     import jax
     kernel, kernel_spec, mesh = _kernel(blocks, query.shape[1], query.shape[2])
     queries, whole, _ = _specs(blocks)
-    return jax.shard_map(functools.partial(_local, scale=blocks.scale), mesh=mesh,
+    return jax.shard_map(functools.partial(_local, blocks=blocks), mesh=mesh,
                          in_specs=(kernel_spec, queries, whole, whole), out_specs=queries,
                          check_vma=False)(kernel, query, key, value)
 
@@ -219,7 +290,7 @@ def _backward(query: Any, key: Any, value: Any, grad: Any, blocks: Blocks) -> An
     queries, whole, split = _specs(blocks)
 
     def block(kernel: Any, q: Any, k: Any, v: Any, g: Any) -> tuple[Any, Any, Any]:
-        _, pullback = jax.vjp(functools.partial(_local, kernel, scale=blocks.scale), q, k, v)
+        _, pullback = jax.vjp(functools.partial(_local, kernel, blocks=blocks), q, k, v)
         dq, dk, dv = pullback(g)
         return (dq, *(jax.lax.psum_scatter(d, blocks.seq, scatter_dimension=2, tiled=True) for d in (dk, dv)))
 

@@ -93,18 +93,33 @@ def explain(model: nn.Module, plan: Mapping, mesh: Any, tp_axis: str = "model") 
              "replicated:" if replicated else "replicated: nothing",
              *_grouped({n: replicated.get(n, "") for n in names if n in replicated}),
              *_choices(plan, axes.get(tp_axis, 1)),
-             *_context_line(axes),
+             *_context_lines(plan, axes),
              "parameters:", format_table(rows),
              f"per device: {per_device} bytes of {total} total (ideal total/{tp} = {total // tp}; ratio "
              f"{per_device / max(total / tp, 1):.2f}); padding of uneven dimensions: {padding} bytes over all devices"]
     return "\n".join(lines)
 
 
-def _context_line(axes: Mapping[str, int]) -> list[str]:
-    """What a context axis does, which no parameter's spec shows."""
+def _context_lines(plan: Mapping, axes: Mapping[str, int]) -> list[str]:
+    """What a context axis does, which no parameter's spec shows, and what each block moves per device for the
+    traced input (the planner's prices: Megatron's all-reduces of each device's tokens and the keys and values
+    gathered over the axis; the audit's minimum counts the same, plus the embedding's all-reduce)."""
     ways = axes.get("context", 1)
     if ways == 1:
         return []
-    return [f"context: the sequence split {ways} ways over the context axis (a length it divides); attention "
-            f"gathers keys and values over it, each device's queries against all of them; weights replicated "
-            f"over it, their gradients reduced over it"]
+    lines = [f"context: the sequence split {ways} ways over the context axis (a length it divides); attention "
+             f"gathers keys and values over it, each device's queries against all of them; weights replicated "
+             f"over it, their gradients reduced over it"]
+    prices = getattr(plan, "prices", ())
+    if not prices:
+        return lines
+    blocks: dict[str, list] = {}
+    for block, price in prices:
+        blocks.setdefault(_pattern(block), []).append(price)
+    lines.append("  bytes moved per device by each block, for the traced input (Megatron + key/value gathers):")
+    for block, found in blocks.items():
+        p = found[0]
+        count = f" (x{len(found)})" if len(found) > 1 else ""
+        lines.append(f"    {block}{count}: {p.comm - p.gathers:,.0f} + {p.gathers:,.0f} = {p.comm:,.0f}")
+    lines.append(f"  blocks total: {sum(p.comm for _, p in prices):,.0f} bytes/device")
+    return lines

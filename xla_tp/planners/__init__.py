@@ -81,7 +81,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
 
     def roles(padding: str) -> Roles:
-        out = decide(graph, tp, padding, pick, copies=not on_meta, routed=frozenset(found.nodes))
+        out = decide(graph, tp, padding, pick, copies=not on_meta, routed=frozenset(found.nodes), sizes=sizes_of(mesh))
         assign_experts(out, found, tp, experts, ep)
         return out
 

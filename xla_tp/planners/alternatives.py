@@ -29,8 +29,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Mapping, Optional
 
+from ..axes import sequence_axes
+from ..batch import ways
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.regions import Region, describe
 from .prices import Price, dot_flops, nbytes
@@ -72,10 +74,11 @@ Pick = Callable[[Choice], Alternative]  # which alternative a block takes (``pla
 
 
 def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Problem, why: str,
-           padding: str = "") -> Choice:
+           padding: str = "", sizes: Optional[Mapping[str, int]] = None) -> Choice:
     """Every valid alternative for the block, priced, cheapest first (ties: less memory per device).
-    ``padding``: why zero heads may not be added (empty: they may, where the block allows)."""
-    block = _Block(graph, members, rows)
+    ``padding``: why zero heads may not be added (empty: they may, where the block allows); ``sizes``: the
+    mesh's axis sizes (a context axis splits the tokens and gathers keys and values, ``Block``)."""
+    block = Block(graph, members, rows, tp, sizes)
     choice = Choice(", ".join(r.projection.name.rpartition(".")[0] for r in members), why)
     for k in sorted((k for k in range(2, tp + 1) if tp % k == 0), reverse=True):
         split = tuple(r for r in members if not problem(r, k))
@@ -105,7 +108,7 @@ def choose(graph: Graph, members: list[Region], rows: Rows, tp: int, problem: Pr
     return choice
 
 
-def _padded(block: "_Block", tp: int, padding: str):
+def _padded(block: "Block", tp: int, padding: str):
     """The zero-heads alternative, or why it does not apply."""
     heads = {heads_of(r) for r in block.members}
     reduced = next((n for r in block.members for n in r.reductions.values()), None)
@@ -139,18 +142,27 @@ def _names(regions: list[Region]) -> str:
     return ", ".join(r.projection.name.rpartition(".")[0].rpartition(".")[2] for r in regions)
 
 
-class _Block:
-    """The unsharded costs of one block's parts, read once from the graph."""
+class Block:
+    """The costs of one block's parts, read once from the graph: unsharded, except that a context axis in
+    ``sizes`` (one that divides the traced sequence) splits the tokens, so FLOPs and activation bytes are
+    each device's part of them, and attention gathers each key and value over it (per device: the whole
+    sequence, its heads split over the ``tp`` devices where they divide them, as
+    ``lowering.context.context_split`` lays them out whatever the block's split: the same for every
+    alternative)."""
 
-    def __init__(self, graph: Graph, members: list[Region], rows: Rows):
+    def __init__(self, graph: Graph, members: list[Region], rows: Rows, tp: int,
+                 sizes: Optional[Mapping[str, int]] = None):
         self.members = members
         self.rows = list(rows.values())
         self.attention = [graph.nodes[i] for i in sorted({i for r in members for i in r.attention})]
         self.heads = max((heads_of(r) for r in members if r.attention), default=0)
         self.queries = next((r for r in members if r.attention and heads_of(r) == self.heads), None)
-        self.minimum = float(sum(nbytes(node.outputs[0]) for node, _, _ in self.rows))
+        out = self.rows[0][0].outputs[0].shape if self.rows else ()
+        self.tokens = ways(sequence_axes(sizes or {}, out[1]), sizes or {}) if len(out) >= 3 else 1
+        self.minimum = float(sum(nbytes(node.outputs[0]) for node, _, _ in self.rows)) / self.tokens
+        self.gathers = float(sum(_gathered(n, tp) for n in self.attention)) if self.tokens > 1 else 0.0
         self.whole = (sum(dot_flops(r.projection.node) for r in members) + sum(dot_flops(n) for n, _, _ in self.rows)
-                      + sum(dot_flops(n) for n in self.attention))
+                      + sum(dot_flops(n) for n in self.attention)) / self.tokens
 
     def price(self, ways: int, split: tuple[Region, ...], extra: float = 0.0, heads: int = 0,
               reshards: int = 0) -> Price:
@@ -168,8 +180,17 @@ class _Block:
             params += nbytes(param) * share
         attn_share = (padded or _share(self.heads, ways)) if self.queries in split and self.heads else 1.0
         flops += sum(dot_flops(n) for n in self.attention) * attn_share
-        comm = (self.minimum if split else 0.0) + extra
-        return Price(flops, comm, params, self.whole, self.minimum, reshards)
+        comm = (self.minimum if split else 0.0) + extra / self.tokens + self.gathers
+        return Price(flops / self.tokens, comm, params, self.whole, self.minimum + self.gathers, reshards, self.gathers)
+
+
+def _gathered(node: Node, tp: int) -> int:
+    """Bytes per device of the key and value an SDPA ``node`` gathers over a context axis: whole, their heads
+    (dimension 1) split over ``tp`` devices where ``tp`` divides them."""
+    if node.op != "scaled_dot_product_attention":
+        return 0
+    kv = [node.arg(1, "key"), node.arg(2, "value")]
+    return sum(nbytes(t) // (tp if len(t.shape) == 4 and tp > 1 and t.shape[1] % tp == 0 else 1) for t in kv)
 
 
 def _share(n: int, ways: int) -> float:

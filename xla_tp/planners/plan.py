@@ -31,6 +31,7 @@ from ..plan.explain import explain
 from ..plan.packing import Packing
 from .logical import LogicalStyle
 from .alternatives import Choice
+from .prices import Price
 from .roles import ParamRole, Role, Roles
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")  # a leading index stays: "0" must not become "*"
@@ -57,6 +58,7 @@ class Plan(dict):
         self.slicers: frozenset[str] = frozenset()
         self.graph: Optional[Graph] = None
         self.choices: list[Choice] = []  # blocks off the optimum, with their priced alternatives
+        self.prices: list[tuple[str, Price]] = []  # each block split (its projections) and its price
         self.whole_attention: list[str] = []  # attention computed whole, and why
         self.blocks: list[frozenset[str]] = []  # weights decided together (``Roles.blocks``)
         self.mesh_sizes: Optional[dict[str, int]] = None  # the mesh a planner planned for
@@ -100,6 +102,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
     plan.slicers = frozenset(roles.sites)
     plan.graph = graph
     plan.choices, plan.whole_attention, plan.blocks = roles.choices, roles.whole_attention, roles.blocks
+    plan.prices = roles.prices
     return plan
 
 

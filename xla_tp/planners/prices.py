@@ -8,7 +8,10 @@ output). ``cost`` turns them into one number, FLOP-equivalents on a reference TP
 plus the bytes moved beyond Megatron's minimum times the chip's FLOPs per byte of interconnect (the
 minimum itself is the same for every valid split, and a plan that moves less does not gain: its
 collectives are not what bounds it), plus a fixed cost per collective beyond Megatron's. Prices are
-for the traced input's tokens: FLOPs and bytes grow with them, the fixed cost does not. Example:
+for the traced input's tokens: FLOPs and bytes grow with them, the fixed cost does not. On a mesh with a
+context axis each device holds its part of the tokens (FLOPs and activation bytes divided by the axis) and
+attention gathers the keys and values over it (``gathers``, in ``comm`` and ``minimum`` alike: the same for
+every split, as ``lowering.context`` lays them out whatever the block's). Example:
 
 >>> from torch import nn
 >>> from xla_tp.dataflow.trace import trace
@@ -71,6 +74,7 @@ class Price:
     whole_flops: int
     minimum: float
     reshards: int = 0  # collectives beyond Megatron's (an uneven split's gathers), estimated
+    gathers: float = 0.0  # of ``comm`` and ``minimum``: keys and values gathered over a context axis
 
     def balance(self, devices: int) -> float:
         """The audit's compute balance of the block: FLOPs per device x devices / unsharded FLOPs."""
@@ -84,5 +88,7 @@ class Price:
 
     def text(self, devices: int) -> str:
         reshards = f" in {self.reshards} more collectives" if self.reshards else ""
+        gathers = f" + key/value gathers over the context axis {self.gathers:,.0f}" if self.gathers else ""
         return (f"cost {self.cost:,.0f}; balance {self.balance(devices):.2f}, {self.comm:,.0f} bytes moved/device"
-                f"{reshards} (Megatron {self.minimum:,.0f}), parameters {self.params:,.0f} bytes/device")
+                f"{reshards} (Megatron {self.minimum - self.gathers:,.0f}{gathers}), parameters "
+                f"{self.params:,.0f} bytes/device")

@@ -30,14 +30,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Optional
+from typing import Mapping, Optional
 
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.patches import patches
 from ..dataflow.regions import Projection, Region, describe, explored
 from ..plan.packing import Packing
 from ..plan.subaxis import sub_axis
-from .alternatives import Choice, Pick, blocks_of, choose
+from .alternatives import Block, Choice, Pick, blocks_of, choose
+from .prices import Price
 from .reasons import stop_reason, whole_attention
 
 Axes = tuple[Optional[str], ...]
@@ -84,6 +85,7 @@ class Roles:
     blocks: list[frozenset[str]] = field(default_factory=list)  # every weight of a block the planner decided
     # together (projections meeting in one tensor and the rows contracting them), split or whole
     choices: list[Choice] = field(default_factory=list)  # blocks off the optimum: their priced alternatives
+    prices: list[tuple[str, Price]] = field(default_factory=list)  # each block (its projections) and its price
     whole_attention: list[str] = field(default_factory=list)  # attention no block splits, and why
     sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks or merge
     # heads with the batch
@@ -104,8 +106,10 @@ class Roles:
 
 
 def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None, copies: bool = True,
-           routed: frozenset[int] = frozenset()) -> Roles:
-    """See the module docstring. ``padding``: why no block may add zero heads (``alternatives``);
+           routed: frozenset[int] = frozenset(), sizes: Optional[Mapping[str, int]] = None) -> Roles:
+    """See the module docstring. ``sizes``: the mesh's axis sizes, for the blocks' prices (``Roles.prices``:
+    a context axis splits their tokens and gathers keys and values); ``padding``: why no block may add zero
+    heads (``alternatives``);
     ``pick``: which alternative a block off the optimum takes (default: the cheapest); ``copies``: whether
     a packed block may be copied to every device (``Region.copied``; not for a model on meta); ``routed``:
     nodes that multiply tokens by routed expert weights (not attention: ``planners.experts``)."""
@@ -122,7 +126,7 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set(routed)
     for group in _groups(regions):
-        _apply_group(graph, group, tp, roles, taken, reasons, covered, padding, pick)
+        _apply_group(graph, group, tp, roles, taken, reasons, covered, padding, pick, sizes)
     _mha(graph, tp, roles, covered)
     vocab = _embeddings(graph, roles)
     for region in regions:
@@ -177,7 +181,8 @@ def _groups(regions: list[Region]) -> list[list[Region]]:
 
 
 def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken: dict[int, str],
-                 reasons: dict[int, str], covered: set[int], padding: str, pick: Optional[Pick]) -> None:
+                 reasons: dict[int, str], covered: set[int], padding: str, pick: Optional[Pick],
+                 sizes: Optional[Mapping[str, int]]) -> None:
     members = [r for r in group if r.projection.node.index not in taken]
     rows = {i: row for r in members for i, row in r.rows.items()}
     if not members or any(i in taken for i in rows):
@@ -187,8 +192,9 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
     roles.blocks.append(frozenset([*(r.projection.weight.name for r in members), *(p.name for _, p, _ in rows.values())]))
     ways, split_regions, relaid, pad, chosen = tp, members, True, (0, 0), ""
     problems = [why for r in members if (why := _problem(r, tp))]
+    label = ", ".join(r.projection.name.rpartition(".")[0] for r in members)
     if problems:  # off the optimum: the cheapest valid alternative (alternatives.py)
-        choice = choose(graph, members, rows, tp, _problem, problems[0], padding)
+        choice = choose(graph, members, rows, tp, _problem, problems[0], padding, sizes)
         if pick is not None:
             choice.picked = choice.alternatives.index(pick(choice))
         roles.choices.append(choice)
@@ -196,6 +202,9 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
         ways, split_regions, relaid, pad = alt.ways, list(alt.split), alt.relaid, alt.padded
         chosen = f" ({'cheapest' if choice.picked == 0 else 'picked'} of {len(choice.alternatives)} ways to split " \
                  f"this block: {alt.name})"
+        roles.prices.append((label, alt.price))
+    else:
+        roles.prices.append((label, Block(graph, members, rows, tp, sizes).price(tp, tuple(members))))
     dropped = [r for r in members if r not in split_regions]
     for r in dropped:
         why = (_problem(r, tp) or "the block is computed whole") + chosen
