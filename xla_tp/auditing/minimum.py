@@ -62,7 +62,6 @@ class ContextGather:
     ways: int
     dtype: torch.dtype
     requires_grad: bool
-    kind: str = "all-gather"  # or "collective-permute": queries or outputs to or from mirrored chunks
 
 
 class ActivationRecorder:
@@ -181,14 +180,9 @@ def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
                         sizes: Mapping[str, int], backward: bool = False,
                         gathers: Sequence[ContextGather] = ()) -> list[Expected]:
     """Every collective the layouts imply for the recorded calls, in call order; then each key and value
-    gathered over a context axis (one all-gather; its gradient one reduce-scatter) and each exchange of the
-    causal load balance (one collective-permute; its gradient one more)."""
+    gathered over a context axis (one all-gather; its gradient one reduce-scatter)."""
     count = _Counter(layout, sizes, backward)
     for g in gathers:
-        if g.kind == "collective-permute":
-            where = "attention queries/outputs to or from mirrored chunks (causal load balance)"
-            count.found += [Expected(g.kind, g.elements, g.dtype, where)] * (2 if backward and g.requires_grad else 1)
-            continue
         count.found.append(Expected("all-gather", g.elements, g.dtype, "attention key/value over the context axis"))
         if backward and g.requires_grad:
             count.found.append(Expected("reduce-scatter", g.elements // g.ways, g.dtype,

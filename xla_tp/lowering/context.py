@@ -139,7 +139,7 @@ def context_split(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if record is not None and split_before and not _split.value:
         split = ways(batch, sizes) * ways((tp,) if heads(key) else (), sizes)
         for t in (key, value):
-            record(t.numel() // split, ways(seq, sizes), t.dtype, t.requires_grad, "all-gather")
+            record(t.numel() // split, ways(seq, sizes), t.dtype, t.requires_grad)
     query = sharder.constrain(query, (spec_entry(batch), heads(query), spec_entry(seq), None))
     if mask is not None and mask.dim() == 4 and mask.shape[2] == query.shape[2] and sharder.applies(mask):
         rows = spec_entry(batch) if mask.shape[0] == query.shape[0] else None
@@ -163,19 +163,10 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         _split.value = previous
 
 
-def record_exchange(elements: int, shards: int, dtype: torch.dtype, requires_grad: bool) -> None:
-    """Tell the audit's recorder (if one runs) of one collective-permute over the context axis of ``elements``
-    per device (the causal load balance's, ``context_flash``); its gradient is one more, the reverse."""
-    if _gathers.value is not None:
-        _gathers.value(elements, shards, dtype, requires_grad, "collective-permute")
-
-
 @contextlib.contextmanager
-def recording_gathers(record: Callable[[int, int, torch.dtype, bool, str], None]) -> Iterator[None]:
-    """Call ``record(elements per device, context ways, dtype, requires_grad, kind)`` for each key and value
-    ``context_split`` gathers over the context axis (``"all-gather"``) and each exchange of queries or outputs
-    of the causal load balance (``"collective-permute"``, ``record_exchange``) in this thread during the
-    block (the audit's minimum)."""
+def recording_gathers(record: Callable[[int, int, torch.dtype, bool], None]) -> Iterator[None]:
+    """Call ``record(elements per device, context ways, dtype, requires_grad)`` for each key and value
+    ``context_split`` gathers over the context axis in this thread during the block (the audit's minimum)."""
     previous = _gathers.value
     _gathers.value = record
     try:

@@ -29,18 +29,10 @@ TPU when the kernel's constraints hold: no mask or dropout, as many queries as k
 all keys a multiple of 128 (the kernel's lane width), outside ``torch.compile`` (dynamo cannot trace
 ``call_jax``), an identity device order (the JAX mesh is an ``AbstractMesh``: logical device ``i`` is
 torch_xla's device ``i``). Elsewhere attention takes the einsum route. ``interpret=True`` runs the kernel in
-Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU).
+Pallas' interpreter on any device (tests: the same shard_map and kernel, on CPU). Example (inside a
+parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v ``[2, 4, 2048, 128]``)::
 
-Causal load balance: the kernel skips the key blocks above the diagonal, so on contiguous query blocks the
-device holding the last queries computes about ``2C - 1`` times the blocks of the first. Where the sequence
-cuts into ``2C`` chunks of a multiple of 128 tokens, each device computes two mirrored chunks instead (``c``
-and ``2C - 1 - c``, ``mirrored_order``): inside the shard_map it sends its queries there (two
-collective-permutes, ``_mirror``), the kernel's table of query positions is in that order (its mask tables
-follow), and the outputs come back (two more; JAX's derivative: the reverse permutes). The model's inputs and
-outputs keep their order. Example (inside a parallelized forward on ``make_mesh(context=4, model=2)``, q/k/v
-``[2, 4, 2048, 128]``)::
-
-    blocks = plan(q, k, None, 0.0, True, 128 ** -0.5)    # Blocks(... block_q=256, block_kv=512, mirrored=True)
+    blocks = plan(q, k, None, 0.0, True, 128 ** -0.5)    # Blocks(... block_q=512, block_kv=512 ...)
     out = attention(q, k, v, blocks)                     # [2, 4, 2048, 128], queries split over context
 """
 from __future__ import annotations
@@ -54,7 +46,7 @@ import torch
 
 from ..axes import spec_entry
 from ..batch import ways
-from .context import context_split, query_layout, record_exchange
+from .context import context_split, query_layout
 
 BLOCK_SIZES = (512, 256, 128)  # the kernel's block sizes tried, largest first (multiples of its 128 lanes)
 
@@ -150,11 +142,6 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block
     shard_map gathers them and reduce-scatters their gradients (``context_split``'s layout of them would
     gather their gradients back), except where their heads must be repeated first."""
     query, whole_key, whole_value, _ = context_split(query, key, value)
-    if blocks.mirrored:  # two chunks in and two out per device (``_mirror``), for the audit's minimum
-        shards = blocks.ways(blocks.seq)
-        chunk = query.numel() // (blocks.ways(blocks.batch) * blocks.ways(blocks.heads) * 2 * shards)
-        for _ in range(4):
-            record_exchange(chunk, shards, query.dtype, query.requires_grad)
     if blocks.heads and not blocks.kv_heads and key.shape[1] != query.shape[1]:  # groups straddle the devices
         group = query.shape[1] // key.shape[1]  # gathered first: the repeat then runs on each device
         key, value = whole_key.repeat_interleave(group, dim=1), whole_value.repeat_interleave(group, dim=1)
