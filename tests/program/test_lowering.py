@@ -137,3 +137,28 @@ def test_out_of_range_slices_are_clamped_like_on_cpu():
     assert clamp_slices((Ellipsis, slice(-4095, None), slice(None)), (2, 16, 8)) == \
         (Ellipsis, slice(-16, None), slice(None))
     assert clamp_slices((slice(0, 4),), (8,)) is None
+
+
+WINDOWED = {  # transformers' cache keeps a window of their keys: its update slices from -window + 1 on a short sequence
+    "mistral_sliding_window": lambda T: T.MistralForCausalLM(T.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=128)),
+    "llama4_attention_chunks": lambda T: T.Llama4ForCausalLM(T.Llama4TextConfig(
+        hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=1, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=8, vocab_size=128, num_local_experts=4, num_experts_per_tok=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWED))
+def test_a_windowed_cache_on_a_sequence_shorter_than_its_window(name):
+    """torch_xla refuses the cache's slice past a 16-token sequence's start (plain torch_xla fails on these
+    models); the attention module runs in the lowering mode, whose ``x[i]`` clamps it as the CPU does."""
+    import transformers as T
+    torch.manual_seed(0)
+    ref = WINDOWED[name](T)
+    config = ref.config
+    assert max(getattr(config, a, None) or 0 for a in ("sliding_window", "attention_chunk_size")) > 16
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    ids = torch.randint(0, 128, (4, 16))
+    got = model(input_ids=ids.to(torch_xla.device())).logits
+    assert max_err(got, ref(input_ids=ids).logits) < 1e-4

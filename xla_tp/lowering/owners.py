@@ -89,14 +89,20 @@ TRANSFORMERS_ATTENTION = "attention (transformers' AttentionInterface)"
 CLASS_OWNED = "marked parameters (its lowered class)"
 
 
+# what makes transformers' cache keep a window of a layer's keys (``DynamicSlidingWindowLayer``: Mistral's,
+# Gemma's sliding windows, Llama 4's attention chunks), whose update slices past a short sequence's start
+_WINDOWS = ("sliding_window", "attention_chunk_size")
+
+
 def through_interface(module: Optional[nn.Module]) -> bool:
     """A transformers attention module that calls its attention function from ``AttentionInterface``
-    (``ALL_ATTENTION_FUNCTIONS.get_interface``), without a sliding-window cache (its update slices in the
-    module's own forward): the mode goes around that function only (``compat``'s ``attention_interface``)."""
+    (``ALL_ATTENTION_FUNCTIONS.get_interface``), without a windowed cache (its update slices in the module's
+    own forward, which torch_xla refuses past the start: the mode's ``x[i]`` clamps it): the mode goes around
+    that function only (``compat``'s ``attention_interface``)."""
     if module is None or "get_interface" not in type(module).forward.__code__.co_names:
         return False
     config = getattr(module, "config", None)
-    return getattr(module, "sliding_window", None) is None and getattr(config, "sliding_window", None) is None
+    return all(getattr(module, a, None) is None and getattr(config, a, None) is None for a in _WINDOWS)
 
 
 def _caller(graph: Graph, node: Node) -> str:
