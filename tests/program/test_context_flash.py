@@ -233,7 +233,7 @@ def _permuted(hlo: str) -> list[tuple[int, ...]]:
 
 
 @pytest.mark.complete  # 45 s each
-@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+@pytest.mark.parametrize("kv_heads", [2])  # the exchange moves queries only: the contiguous tests cover 4 and 1
 def test_mirrored_chunks_equal_cpu_sdpa_forward_and_backward(kernel_calls, kv_heads):
     torch.manual_seed(0)
     ref = Attention(kv_heads=kv_heads)
