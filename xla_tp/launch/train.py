@@ -32,7 +32,7 @@ from ..axes import batch_axes, spec_entry
 from ..compiles import compiled
 from ..lowering.routed import moe_report
 from .checkpoints import Checkpoints
-from .data import IGNORE, Batches
+from .data import IGNORE, Batches, HostRows
 from .model import ModelShape, active_parameters
 from .progress import Reporter
 from .recipe import OptimizerSpec, Recipe
@@ -101,11 +101,18 @@ def batch_spec(mesh: xs.Mesh) -> tuple:
     return (spec_entry(batch_axes(dict(zip(mesh.axis_names, mesh.mesh_shape)))), None)
 
 
-def to_device(t: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
-    """A CPU ``[batch, seq]`` tensor on the XLA device, batch-sharded."""
-    t = t.to(torch_xla.device())
-    xs.mark_sharding(t, mesh, batch_spec(mesh))
-    return t
+def to_device(t: torch.Tensor, mesh: xs.Mesh, host: Optional[HostRows] = None) -> torch.Tensor:
+    """A CPU ``[batch, seq]`` tensor on the XLA device, batch-sharded. With ``host`` (several hosts), ``t``
+    holds only this host's rows of the global batch (``host.rows``), and the global batch is assembled from
+    every host's rows: each of this host's devices receives the block it holds (torch_xla's sharded-input
+    path, as ``MpDeviceLoader(..., input_sharding=...)`` takes it on a pod), so no host reads all of it."""
+    if host is None:
+        t = t.to(torch_xla.device())
+        xs.mark_sharding(t, mesh, batch_spec(mesh))
+        return t
+    shards = [t[block].contiguous() for block in host.shards]
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(batch_spec(mesh)),
+                                                          [host.batch, *t.shape[1:]])
 
 
 class StopFlag:
@@ -142,6 +149,7 @@ class Loop:
     flops_per_token: int
     peak_flops: Optional[float]          # the whole slice's peak bf16 FLOP/s; None on CPU
     checkpoints: Optional[Checkpoints] = None
+    host: Optional[HostRows] = None      # several hosts: the rows of each batch this one reads
 
     def run(self, start_step: int = 0) -> int:
         """Train from ``start_step`` to ``recipe.steps``; 0 when done, 130 when stopped early."""
@@ -178,8 +186,8 @@ class Loop:
             self.reporter.close()
 
     def _step(self, loss_fn, step: int) -> torch.Tensor:
-        inputs, targets = self.batches.get(step)
-        _, loss = loss_fn(self.model, to_device(inputs, self.mesh), to_device(targets, self.mesh))
+        inputs, targets = self.batches.get(step, None if self.host is None else self.host.rows)
+        _, loss = loss_fn(self.model, to_device(inputs, self.mesh, self.host), to_device(targets, self.mesh, self.host))
         loss.backward()
         if self.recipe.optimizer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip)
