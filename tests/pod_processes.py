@@ -7,10 +7,12 @@ is tested is what the processes agree on: one shared directory, one commit, each
 Tasks (``python -m tests.pod_processes TASK RANK WORLD PORT ARGS...``):
 - ``save ROOT STEPS [DIE_STEP DIE_RANK]``: two Linears, column- then row-parallel on fsdp x model=2, one AdamW
   step, then ``save_checkpoint`` at steps 1..STEPS; at ``DIE_STEP`` process ``DIE_RANK`` kills itself (SIGKILL)
-  while writing its files. Process 0 also writes the weights to ``ROOT/../expected.pt``.
+  while writing its files; when all saves succeed, every process loads the newest into a model built with
+  another seed. Process 0 also writes the weights to ``ROOT/../expected.pt``.
 - ``load ROOT``: loads the newest checkpoint into a model built with another seed on ``model=8``.
 - ``rows``: the rows of batch 3 (8 rows, data=4 x model=2) this process reads (``host_rows`` of its
-  ``local_devices``), and whether what it read equals those rows of the whole batch.
+  ``local_devices``), and whether what it read equals those rows of the whole batch; then a loop of 6 steps
+  where only the last process is asked to stop (its ``StopFlag`` set at step 3): the step each one stops after.
 """
 from __future__ import annotations
 
@@ -85,7 +87,11 @@ def _save(root: str, steps: int, die: int, die_rank: int) -> dict:
             out["saved"].append(xla_tp.save_checkpoint(root, model, opt, step=step, keep=5))
         except xla_tp.CheckpointError as error:
             out["error"] = str(error)
-            break
+            return out
+    fresh = xla_tp.parallelize_xla(_model(1), _plan(), mesh=mesh)
+    out["loaded"] = xla_tp.load_checkpoint(root, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+    expected = torch.load(os.path.join(root, "..", "expected.pt"))
+    out["load_error"] = max((v.cpu() - expected[k]).abs().max().item() for k, v in fresh.state_dict().items())
     return out
 
 
@@ -108,11 +114,18 @@ def _rows() -> dict:
     from xla_tp import processes
     from xla_tp.launch.data import Batches, host_rows
     from xla_tp.launch.recipe import DataSpec
+    from xla_tp.launch.train import StopFlag
     mine = host_rows(8, {"data": 4, "model": 2}, processes.local_devices(8))
     batches = Batches(DataSpec("text", "data/tiny_corpus.txt"), vocab=257, batch=8, seq_len=16, seed=0,
                       task="masked-lm")
     read, whole = batches.get(3, mine.rows), batches.get(3)
-    return {"index": processes.index(), "count": processes.count(), "rows": mine.rows,
+    flag, stopped = StopFlag(), None
+    for step in range(1, 7):
+        flag.stop = flag.stop or (step == 3 and processes.index() == processes.count() - 1)
+        if flag.agreed():
+            stopped = step
+            break
+    return {"index": processes.index(), "count": processes.count(), "rows": mine.rows, "stopped": stopped,
             "equal": all(torch.equal(r, w[mine.rows]) for r, w in zip(read, whole))}
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from .adapters import has_torch_xla
 
 TIMEOUT = timedelta(minutes=30)     # a collective that waits longer than this fails instead of hanging
+_checkpoints: Optional[Any] = None   # the group checkpoints talk in, apart from the run's own collectives
 
 
 def index() -> int:
@@ -54,6 +55,7 @@ def init_group(init_method: Optional[str] = None, *, timeout: timedelta = TIMEOU
         processes.init_group()                                  # a TPU pod: gloo over xla://
         processes.init_group("tcp://127.0.0.1:29500")           # with RANK and WORLD_SIZE set: local stand-ins
     """
+    global _checkpoints
     if dist.is_initialized():
         return True
     if init_method is None:
@@ -62,7 +64,14 @@ def init_group(init_method: Optional[str] = None, *, timeout: timedelta = TIMEOU
         import torch_xla.distributed.xla_backend  # noqa: F401  registers the xla:// rendezvous
         init_method = "xla://"
     dist.init_process_group("gloo", init_method=init_method, timeout=timeout)
+    _checkpoints = dist.new_group(backend="gloo", timeout=timeout)
     return True
+
+
+def checkpoint_group() -> Optional[Any]:
+    """The process group checkpoints use: a second gloo group made by ``init_group`` (an asynchronous save
+    talks in its thread while the loop's own collectives go on), else None (the default group)."""
+    return _checkpoints if dist.is_initialized() else None
 
 
 def local_devices(devices: int) -> list[int]:
@@ -83,21 +92,21 @@ def barrier() -> None:
         dist.barrier()
 
 
-def from_reporter(value: Any) -> Any:
-    """Process 0's ``value``, on every process (``value`` itself on one process)."""
+def from_reporter(value: Any, group: Optional[Any] = None) -> Any:
+    """Process 0's ``value``, on every process of ``group`` (``value`` itself on one process)."""
     if not dist.is_initialized():
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
 
 
-def gathered(value: Any) -> list:
+def gathered(value: Any, group: Optional[Any] = None) -> list:
     """Every process's ``value``, in process order (``[value]`` on one process)."""
     if not dist.is_initialized():
         return [value]
-    out: list = [None] * dist.get_world_size()
-    dist.all_gather_object(out, value)
+    out: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, value, group=group)
     return out
 
 

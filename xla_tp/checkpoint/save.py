@@ -97,12 +97,15 @@ def _write(flat: dict, root: CheckpointRoot, step: int, info: dict, keep: Option
     directory (older checkpoints stay as they were) and raise ``CheckpointError`` (saying so when the
     disk is full)."""
     start = time.perf_counter()
-    tmp = _on_reporter(lambda: root.begin(step))
+    group = processes.checkpoint_group()
+    tmp = _on_reporter(lambda: root.begin(step), group)
     writer = RecordingWriter(tmp)
     try:
-        dcp.save(flat, storage_writer=writer, planner=_SavePlanner(), no_dist=not dist.is_initialized())
-        files = {name: record for records in processes.gathered(writer.records()) for name, record in records.items()}
-        final = _on_reporter(lambda: root.commit(tmp, step, {**info, "files": files}, keep))
+        dcp.save(flat, storage_writer=writer, planner=_SavePlanner(), process_group=group,
+                 no_dist=not dist.is_initialized())
+        files = {name: record for records in processes.gathered(writer.records(), group)
+                 for name, record in records.items()}
+        final = _on_reporter(lambda: root.commit(tmp, step, {**info, "files": files}, keep), group)
     except BaseException as error:
         root.abort(tmp)
         if isinstance(error, (Exception, CheckpointException)):
@@ -112,7 +115,7 @@ def _write(flat: dict, root: CheckpointRoot, step: int, info: dict, keep: Option
     return final
 
 
-def _on_reporter(act: Callable[[], str]) -> str:
+def _on_reporter(act: Callable[[], str], group: Any) -> str:
     """``act()`` run by process 0 alone, its result (or its ``OSError``, raised) on every process: the
     others wait for it, so no process goes on before the shared directory exists, or is committed."""
     outcome: Union[str, OSError, None] = None
@@ -121,7 +124,7 @@ def _on_reporter(act: Callable[[], str]) -> str:
             outcome = act()
         except OSError as error:
             outcome = error
-    outcome = processes.from_reporter(outcome)
+    outcome = processes.from_reporter(outcome, group)
     if isinstance(outcome, OSError):
         raise outcome
     return outcome

@@ -28,6 +28,7 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from .. import processes
 from ..axes import batch_axes, spec_entry
 from ..compiles import compiled
 from ..lowering.routed import moe_report
@@ -132,6 +133,12 @@ class StopFlag:
             raise KeyboardInterrupt
         self.stop = True
 
+    def agreed(self) -> bool:
+        """Whether any process was asked to stop: on several hosts, one stopped host stops them all after
+        the same step (each step's collectives need every host). Read once per step, by every process."""
+        self.stop = any(processes.gathered(self.stop))
+        return self.stop
+
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
@@ -165,6 +172,7 @@ class Loop:
                     lr = self.optimizer.param_groups[0]["lr"]   # this step's learning rate
                     loss = self._step(loss_fn, step)
                     step += 1
+                    flag.agreed()
                     if step % r.log_interval == 0 or step in (start_step + 1, r.steps) or flag.stop:
                         value = loss.item()   # waits for the step: the interval's time is device time
                         now = time.perf_counter()
