@@ -1,14 +1,15 @@
 """Hosts of a pod stood in for by local processes: ``start(n, task, *args)`` runs ``n`` Pythons on 127.0.0.1
-(``PJRT_DEVICE=CPU``, ``8 // n`` devices each, or ``devices``), joined by ``xla_tp.processes.init_group`` into one gloo group
-(``tcp://127.0.0.1:PORT``, a free port); ``finish`` waits for them (bounded) and returns each one's JSON line.
+(``PJRT_DEVICE=CPU``, ``8 // n`` devices each, or ``devices``), joined by ``xla_tp.processes.init_group`` into
+one gloo group (``tcp://127.0.0.1:PORT``, a free port); ``finish`` waits for them (bounded) and returns each one's JSON line.
 torch_xla's CPU client cannot span processes, so each process is its own XLA world holding every shard; what
 is tested is what the processes agree on: one shared directory, one commit, each row read once.
 
 Tasks (``python -m tests.pod_processes TASK RANK WORLD PORT ARGS...``):
 - ``save ROOT STEPS [DIE_STEP DIE_RANK]``: two Linears, column- then row-parallel on fsdp x model=2, one AdamW
-  step, then ``save_checkpoint`` at steps 1..STEPS; at ``DIE_STEP`` process ``DIE_RANK`` kills itself (SIGKILL)
-  while writing its files; when all saves succeed, every process loads the newest into a model built with
-  another seed. Process 0 also writes the weights to ``ROOT/../expected.pt``.
+  step, then ``save_checkpoint`` at steps 1..STEPS (the last one ``async_save=True``, a forward run meanwhile);
+  at ``DIE_STEP`` process ``DIE_RANK`` kills itself (SIGKILL) while writing its files; when all saves succeed,
+  every process loads the newest into a model built with another seed. Process 0 also writes the weights to
+  ``ROOT/../expected.pt``.
 - ``load ROOT``: loads the newest checkpoint into a model built with another seed on ``model=8``.
 - ``rows``: the rows of batch 3 (8 rows, data=4 x model=2) this process reads (``host_rows`` of its
   ``local_devices``), and whether what it read equals those rows of the whole batch; then a loop of 6 steps
@@ -84,7 +85,12 @@ def _save(root: str, steps: int, die: int, die_rank: int) -> dict:
         if step == die and processes.index() == die_rank:
             save.RecordingWriter.write_data = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
         try:
-            out["saved"].append(xla_tp.save_checkpoint(root, model, opt, step=step, keep=5))
+            if step < steps:
+                out["saved"].append(xla_tp.save_checkpoint(root, model, opt, step=step, keep=5))
+            else:                                  # the last one in the background, as a loop would
+                handle = xla_tp.save_checkpoint(root, model, opt, step=step, keep=5, async_save=True)
+                model(torch.ones(4, 16, device=next(model.parameters()).device)).sum().item()
+                out["saved"].append(handle.result(timeout=200))
         except xla_tp.CheckpointError as error:
             out["error"] = str(error)
             return out

@@ -76,7 +76,8 @@ def checkpoint_group() -> Optional[Any]:
 
 def local_devices(devices: int) -> list[int]:
     """Ids of the XLA devices (of ``devices`` in the mesh) this process drives, in the runtime's order: its
-    TPU VM's chips on a pod. Where the runtime holds every device (one host, or local processes standing in
+    TPU VM's chips on a pod (the runtime names them ``TPU:<global ordinal>``, the ids a mesh holds, in the order
+    ``_global_tensor_from_cpu_shards`` takes their blocks). Where the runtime holds every device (one host, or local processes standing in
     for hosts, each emulating the whole slice), the ``index()``-th of ``count()`` equal blocks."""
     import torch_xla
     names = torch_xla._XLAC._xla_get_runtime_devices()
