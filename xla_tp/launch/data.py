@@ -8,8 +8,9 @@
 ``ByteTokenizer`` turns text into those ids and back (``xla-tp generate`` uses it for a text recipe).
 Batch ``step`` depends only on the seed and the step, so a resumed run sees the data it would have
 seen. On a multi-host slice each host reads only the rows its devices hold (``host_rows``:
-``get(step, rows)``), and the global batch is assembled on the devices from every host's rows. ``causal-lm`` targets are the next token; ``masked-lm`` hides 15% of the tokens behind
-the id ``vocab - 1`` and scores only those. Example::
+``get(step, rows)``), and the global batch is assembled on the devices from every host's rows.
+``causal-lm`` targets are the next token; ``masked-lm`` hides 15% of the tokens behind the id
+``vocab - 1`` and scores only those. Example::
 
     batches = Batches(DataSpec("text", "data/tiny_corpus.txt"), vocab=256, batch=8, seq_len=64,
                       seed=0, task="causal-lm")

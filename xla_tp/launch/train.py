@@ -106,7 +106,7 @@ def to_device(t: torch.Tensor, mesh: xs.Mesh, host: Optional[HostRows] = None) -
     """A CPU ``[batch, seq]`` tensor on the XLA device, batch-sharded. With ``host`` (several hosts), ``t``
     holds only this host's rows of the global batch (``host.rows``), and the global batch is assembled from
     every host's rows: each of this host's devices receives the block it holds (torch_xla's sharded-input
-    path, as ``MpDeviceLoader(..., input_sharding=...)`` takes it on a pod), so no host reads all of it."""
+    path, ``_global_tensor_from_cpu_shards``), so no host reads all of it."""
     if host is None:
         t = t.to(torch_xla.device())
         xs.mark_sharding(t, mesh, batch_spec(mesh))
