@@ -43,7 +43,7 @@ SLOW_FIRST = ("test_launch_run.py", "test_dynamo.py", "test_bench.py", "test_fam
 # the complete tier (``bash scripts/dev.sh complete``; CI runs it after the quick tier): whole files here, single
 # tests marked ``@pytest.mark.complete`` where they are; the quick tier (``bash scripts/dev.sh test``) is the rest
 COMPLETE_FILES = ("test_moe_looped.py", "test_launch_run.py", "test_dynamo.py", "test_bench.py", "test_notebook.py",
-                  "test_meta_init.py", "test_scoped.py", "test_generate_cli.py")
+                  "test_meta_init.py", "test_scoped.py", "test_generate_cli.py", "test_pod_processes.py")
 
 
 def pytest_configure(config):

@@ -17,7 +17,7 @@ VENDOR = {"v4": (32, 275, None), "v5e": (16, 197, 400), "v5p": (95, 459, 1200), 
 SLICES = {"v4-8": (4, 1), "v4-16": (8, 2), "v4-32": (16, 4), "v5e-1": (1, 1), "v5e-4": (4, 1), "v5e-8": (8, 1),
           "v5e-16": (16, 4), "v5e-256": (256, 64), "v5p-8": (4, 1), "v5p-16": (8, 2), "v5p-32": (16, 4),
           "v5p-64": (32, 8), "v6e-1": (1, 1), "v6e-4": (4, 1), "v6e-8": (8, 1), "v6e-16": (16, 4),
-          "v6e-256": (256, 64), "cpu-4": (4, 1), "cpu-8": (8, 1)}
+          "v6e-256": (256, 64), "cpu-4": (4, 1), "cpu-8": (8, 1), "v5e-256x2": (512, 128), "v5p-64x2": (64, 16)}
 
 
 def test_the_slices_the_issue_lists_exist():
@@ -37,6 +37,16 @@ def test_topology_loads_with_vendor_figures(name):
         assert topo.env == {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(topo.chips)}
 
 
+@pytest.mark.parametrize("name, single", [("v5e-256x2", "v5e-256"), ("v5p-64x2", "v5p-64")])
+def test_a_multislice_topology_is_slices_of_one_with_data_across_them(name, single):
+    multi, one = load_topology(name), load_topology(single)
+    assert multi.slices == 2 and one.slices == 1
+    assert (multi.chips, multi.hosts) == (2 * one.chips, 2 * one.hosts)
+    assert (multi.accelerator, multi.physical_topology, multi.chips_per_host) == \
+        (one.accelerator, one.physical_topology, one.chips_per_host)
+    assert multi.mesh == {"data": 2, **one.mesh}
+
+
 def test_topology_typo_names_file_and_field(tmp_path):
     data = yaml.safe_load((ROOT / "tpu_configs" / "v5e-8.yaml").read_text())
     data["hbm_gb_per_chip"] = data.pop("hbm_gib_per_chip")
@@ -52,6 +62,11 @@ def test_topology_typo_names_file_and_field(tmp_path):
     ({"mesh": {"tensr": 8}}, "unknown axis 'tensr'"),
     ({"physical_topology": "2x2"}, "physical_topology 2x2 has 4 chips, not 8"),
     ({"chips_per_host": "8"}, "chips_per_host: expected int, got '8'"),
+    ({"slices": 2}, "slices=2 must be >= 1 and divide hosts=1"),
+    ({"slices": 2, "chips": 16, "hosts": 2, "physical_topology": "4x4", "mesh": {"data": 2, "model": 8}},
+     "physical_topology 4x4 has 16 chips, not 8 per slice"),
+    ({"slices": 2, "chips": 16, "hosts": 2, "physical_topology": "2x4", "mesh": {"fsdp": 2, "model": 8}},
+     "data=1 must be a multiple of the 2 slices"),
 ])
 def test_topology_inconsistency_is_named(tmp_path, change, message):
     data = {**yaml.safe_load((ROOT / "tpu_configs" / "v5e-8.yaml").read_text()), **change}

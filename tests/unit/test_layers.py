@@ -16,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "xla_tp"
 CORE = ("axes", "batch", "errors", "plan", "dataflow", "planners", "validate")
 # what a parallelized model runs with: its state, the compatibility effects, the lowering, the backends
 RUNTIME = ("adapters", "weak", "apply", "deferred", "state", "compat", "constraints", "lowering", "guard", "optim", "inference", "recompute", "dynamo",
-           "backends", "mesh", "report", "loss", "bitcast", "compiles")
+           "backends", "mesh", "report", "loss", "bitcast", "compiles", "processes")
 # what users call: parallelize (torch_xla, JAX), audit, checkpoints, the launcher, the CLI, the model zoo
 FRONT = ("api", "context_parallel", "backends.jax", "backends.dtensor", "auditing", "checkpoint", "launch", "console", "compile_cache", "cli", "zoo", "generation", "__init__")
 ADAPTER_PACKAGES = ("torch_xla", "jax", "jaxlib", "torchax")

@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch_xla.experimental.distributed_checkpoint import SPMDLoadPlanner
 
+from .. import processes
 from ..errors import CheckpointError
 from ..backends.host import release_host_memory, write_from_host
 from ..guard import restore_sharding
@@ -127,7 +128,7 @@ def _read(directory: str, reader: Any, state: dict[str, Any], planner: Any = Non
             _write_each(reader, state)
         else:
             dcp.load(state, storage_reader=reader, planner=planner or ShardLoadPlanner(),
-                     no_dist=not dist.is_initialized())
+                     process_group=processes.checkpoint_group(), no_dist=not dist.is_initialized())
     except (Exception, CheckpointException) as error:
         raise CheckpointError(f"reading checkpoint {directory!r} failed ({reason(error)}); {UNCHANGED}") from error
 

@@ -5,7 +5,13 @@ whole on the host. The checkpoint directory appears only once complete (``store.
 its marker recording every file's size and SHA-256 (``integrity``). A save that fails (a full disk
 included) leaves nothing and raises ``CheckpointError``; older checkpoints stay as they were.
 ``async_save=True`` copies the shards to host memory before returning and writes them in a
-background thread, so the next training step runs while the files are written. Example::
+background thread, so the next training step runs while the files are written.
+
+On several hosts (a gloo process group, ``xla_tp.processes.init_group()``) every host writes its own
+shards into one hidden directory that process 0 made; once all have written, process 0 alone
+writes the marker (every host's files) and renames the directory to ``step_N``, and every host
+returns only after that: one checkpoint, committed once. A host that dies half-way makes the
+others fail and remove the directory; the previous checkpoint stays as it was. Example::
 
     xla_tp.save_checkpoint("ckpt", model, opt, step=100, keep=3)        # ckpt/step_00000100
     handle = xla_tp.save_checkpoint("ckpt", model, opt, step=200, async_save=True)
@@ -19,7 +25,7 @@ import io
 import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +38,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch_xla.experimental.distributed_checkpoint import SPMDSavePlanner
 from torch_xla.experimental.distributed_checkpoint._helpers import _cpu_shards_from_tensors, _is_sharded_tensor
 
+from .. import processes
 from ..errors import CheckpointError
 from .integrity import RecordingWriter, disk_full, reason
 from .layout import model_state, optimizer_state
@@ -78,23 +85,27 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: Optional[torch.optim
     torch_xla.sync(wait=True)  # re-laid views and annotated states become sharded device data
     info = {"format": FORMAT, "step": step, "tensors": sum(isinstance(v, torch.Tensor) for v in flat.values()),
             "model": type(model).__name__, "optimizer": type(optimizer).__name__ if optimizer is not None else None}
-    tmp = root.begin(step)
     if not async_save:
-        return _write(flat, root, tmp, step, info, keep)
+        return _write(flat, root, step, info, keep)
     snapshot = _to_host(flat)
-    return SaveHandle(_writer.submit(_write, snapshot, root, tmp, step, info, keep), step)
+    return SaveHandle(_writer.submit(_write, snapshot, root, step, info, keep), step)
 
 
-def _write(flat: dict, root: CheckpointRoot, tmp: str, step: int, info: dict, keep: Optional[int]) -> str:
-    """Write ``flat`` into ``tmp`` and commit it as step ``step``, recording every file's size and
-    SHA-256 in the marker; on any failure remove ``tmp`` (older checkpoints stay as they were) and
-    raise ``CheckpointError`` (saying so when the disk is full)."""
+def _write(flat: dict, root: CheckpointRoot, step: int, info: dict, keep: Optional[int]) -> str:
+    """Write ``flat`` into a hidden directory shared by every process and commit it once as step
+    ``step``, recording every file's size and SHA-256 in the marker; on any failure remove the hidden
+    directory (older checkpoints stay as they were) and raise ``CheckpointError`` (saying so when the
+    disk is full)."""
     start = time.perf_counter()
+    group = processes.checkpoint_group()
+    tmp = _on_reporter(lambda: root.begin(step), group)
     writer = RecordingWriter(tmp)
     try:
-        dcp.save(flat, storage_writer=writer, planner=_SavePlanner(), no_dist=not dist.is_initialized())
-        files = _all_records(writer)
-        final = root.commit(tmp, step, {**info, "files": files}, keep) if _coordinator() else root.step_dir(step)
+        dcp.save(flat, storage_writer=writer, planner=_SavePlanner(), process_group=group,
+                 no_dist=not dist.is_initialized())
+        files = {name: record for records in processes.gathered(writer.records(), group)
+                 for name, record in records.items()}
+        final = _on_reporter(lambda: root.commit(tmp, step, {**info, "files": files}, keep), group)
     except BaseException as error:
         root.abort(tmp)
         if isinstance(error, (Exception, CheckpointException)):
@@ -104,13 +115,19 @@ def _write(flat: dict, root: CheckpointRoot, tmp: str, step: int, info: dict, ke
     return final
 
 
-def _all_records(writer: RecordingWriter) -> dict:
-    """Size and SHA-256 of every file of the checkpoint, from every process (after all have written)."""
-    if not dist.is_initialized():
-        return writer.records()
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, writer.records())
-    return {name: record for records in gathered for name, record in records.items()}
+def _on_reporter(act: Callable[[], str], group: Any) -> str:
+    """``act()`` run by process 0 alone, its result (or its ``OSError``, raised) on every process: the
+    others wait for it, so no process goes on before the shared directory exists, or is committed."""
+    outcome: Union[str, OSError, None] = None
+    if processes.is_reporter():
+        try:
+            outcome = act()
+        except OSError as error:
+            outcome = error
+    outcome = processes.from_reporter(outcome, group)
+    if isinstance(outcome, OSError):
+        raise outcome
+    return outcome
 
 
 def _save_failed(root: CheckpointRoot, step: int, error: BaseException, writer: RecordingWriter) -> CheckpointError:
@@ -160,6 +177,3 @@ def _to_host(flat: dict) -> dict:
             out[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
     return out
 
-
-def _coordinator() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

@@ -102,9 +102,9 @@ def _generate(args: argparse.Namespace) -> int:
     axes = check_for_topology(recipe, topology)
     check_cache_flags(args)
     prepare_env(topology, dry_run=False)
-    import torch_xla.runtime as xr
+    from .. import processes
     with one_line_warnings("generate"):
-        cache = cache_from_args(args, default_cache(), xr.process_index())
+        cache = cache_from_args(args, default_cache(), processes.index())
     status = _decode(args, recipe, topology, axes, tokenizer)
     print(cache.summary(compile_counts()), file=sys.stderr)
     return status

@@ -7,21 +7,26 @@
 
 ``ByteTokenizer`` turns text into those ids and back (``xla-tp generate`` uses it for a text recipe).
 Batch ``step`` depends only on the seed and the step, so a resumed run sees the data it would have
-seen, and every host of a multi-host slice builds the same global batch (each device then takes
-its shard). ``causal-lm`` targets are the next token; ``masked-lm`` hides 15% of the tokens behind
-the id ``vocab - 1`` and scores only those. Example::
+seen. On a multi-host slice each host reads only the rows its devices hold (``host_rows``:
+``get(step, rows)``), and the global batch is assembled on the devices from every host's rows.
+``causal-lm`` targets are the next token; ``masked-lm`` hides 15% of the tokens behind the id
+``vocab - 1`` and scores only those. Example::
 
     batches = Batches(DataSpec("text", "data/tiny_corpus.txt"), vocab=256, batch=8, seq_len=64,
                       seed=0, task="causal-lm")
     inputs, targets = batches.get(step=0)     # two int64 [8, 64] tensors, targets shifted by one
+    mine = host_rows(8, {"data": 4, "model": 2}, devices=[4, 5, 6, 7])   # the second of 2 hosts
+    inputs, targets = batches.get(step=0, rows=mine.rows)                # rows 4-7 only
 """
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
+from ..axes import axis_names, batch_axes, batch_ways
 from .recipe import DataSpec, resolve_path
 from .schema import LaunchError
 
@@ -70,12 +75,15 @@ class Batches:
         elif spec.kind == "tokens":
             self.corpus = np.load(_path(spec), mmap_mode="r")
 
-    def get(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def get(self, step: int, rows: Optional[Sequence[int]] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``step``, or only its ``rows`` (a host's share: the same values as those rows of the
+        whole batch; only their windows are read)."""
         rng = np.random.default_rng([self.seed, step])
+        picked = slice(None) if rows is None else np.asarray(rows, dtype=np.int64)
         if self.corpus is None:
-            windows = rng.integers(0, self.limit, (self.batch, self.seq_len + 1))
+            windows = rng.integers(0, self.limit, (self.batch, self.seq_len + 1))[picked]
         else:
-            starts = rng.integers(0, len(self.corpus) - self.seq_len - 1, self.batch)
+            starts = rng.integers(0, len(self.corpus) - self.seq_len - 1, self.batch)[picked]
             windows = np.stack([np.asarray(self.corpus[s:s + self.seq_len + 1]) for s in starts]).astype(np.int64)
             if windows.max() >= self.limit or windows.min() < 0:
                 raise LaunchError(f"data: token id {int(windows.max())} at step {step} is outside the model's "
@@ -84,11 +92,56 @@ class Batches:
         if self.task == "causal-lm":
             return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
         inputs = windows[:, :-1].clone()
-        hidden = torch.from_numpy(rng.random(inputs.shape) < MASK_FRACTION)
+        hidden = torch.from_numpy(rng.random((self.batch, self.seq_len))[picked] < MASK_FRACTION)
         hidden[:, 0] |= ~hidden.any(dim=1)   # every row scores at least one token
         targets = torch.where(hidden, inputs, torch.full_like(inputs, IGNORE))
         inputs[hidden] = self.vocab - 1
         return inputs, targets
+
+
+@dataclass(frozen=True)
+class HostRows:
+    """The rows of every ``batch``-row global batch one host reads (``rows``, ascending), and, for each of its
+    devices in the order given, which of those rows the device holds (``shards``: slices into ``rows``)."""
+    batch: int
+    rows: list[int]
+    shards: list[slice]
+
+
+def device_rows(batch: int, axes: Mapping[str, int], device_ids: Optional[Sequence[int]] = None) -> list[range]:
+    """The rows of a ``batch``-row global batch each device holds, by device id: the batch split over the
+    batch axes, whole on the others. ``device_ids``: the mesh's devices in mesh order (``make_mesh``'s,
+    the default, lays device ``i`` at position ``i``; torch_xla's ``HybridMesh`` permutes them).
+
+    >>> device_rows(4, {"data": 2, "model": 2})
+    [range(0, 2), range(0, 2), range(2, 4), range(2, 4)]
+    """
+    names = axis_names(axes)
+    shape = [axes.get(a, 1) for a in names]
+    per = batch // batch_ways(axes)
+    n = int(np.prod(shape))
+    out = [range(0)] * n
+    for position, device in enumerate(range(n) if device_ids is None else device_ids):
+        coords = dict(zip(names, np.unravel_index(position, shape)))
+        block = 0
+        for a in batch_axes(axes):
+            block = block * axes[a] + int(coords[a])
+        out[device] = range(block * per, (block + 1) * per)
+    return out
+
+
+def host_rows(batch: int, axes: Mapping[str, int], devices: Sequence[int],
+              device_ids: Optional[Sequence[int]] = None) -> HostRows:
+    """What the host driving ``devices`` (device ids, in the runtime's order) reads of each global batch
+    (``device_ids``: as for ``device_rows``).
+
+    >>> host_rows(8, {"data": 4, "model": 2}, devices=[4, 5, 6, 7])
+    HostRows(batch=8, rows=[4, 5, 6, 7], shards=[slice(0, 2, None), slice(0, 2, None), slice(2, 4, None), slice(2, 4, None)])
+    """
+    held = device_rows(batch, axes, device_ids)
+    rows = sorted({r for d in devices for r in held[d]})
+    at = {r: i for i, r in enumerate(rows)}
+    return HostRows(batch, rows, [slice(at[held[d][0]], at[held[d][-1]] + 1) for d in devices])
 
 
 def _limit(vocab: int, task: str) -> int:

@@ -213,17 +213,18 @@ def with_settings(report: FitReport, shape: ModelShape, **changes) -> FitReport:
 
 
 def suggest(report: FitReport, shape: ModelShape, chips: int,
-            remesh: Callable[[dict[str, int]], FitReport]) -> list[str]:
+            remesh: Callable[[dict[str, int]], FitReport], slices: int = 1) -> list[str]:
     """Recipe overrides that would make a run fit, each with its estimate; the last resort is a bigger slice.
 
-    ``remesh(mesh)`` re-plans the model on another mesh of the same chips and estimates it.
+    ``remesh(mesh)`` re-plans the model on another mesh of the same chips and estimates it. Over ``slices``
+    slices (multi-slice) every mesh tried keeps ``data = slices`` across them and splits each slice's chips.
     """
     tries: list[tuple[str, FitReport]] = []
     if report.settings.precision == "fp32":
         tries.append(("precision=bf16", with_settings(report, shape, precision="bf16")))
     if not report.settings.activation_checkpointing:
         tries.append(("activation_checkpointing=true", with_settings(report, shape, activation_checkpointing=True)))
-    best_mesh = _best_mesh(report, shape, chips, remesh)
+    best_mesh = _best_mesh(report, shape, chips, remesh, slices)
     if best_mesh is not None:
         tries.append((f"mesh={_flow(best_mesh.mesh)}", best_mesh))
     dp = batch_ways(report.mesh)
@@ -255,18 +256,20 @@ def suggest(report: FitReport, shape: ModelShape, chips: int,
 
 
 def _best_mesh(report: FitReport, shape: ModelShape, chips: int,
-               remesh: Callable[[dict[str, int]], FitReport]) -> Optional[FitReport]:
-    """The lowest-memory ``fsdp x context x model`` mesh over all chips: the model axis dividing the heads,
-    the context axis the sequence, the fsdp axis the batch. A context axis only cuts activations: it is
-    tried when they are most of the memory (each mesh tried is planned)."""
+               remesh: Callable[[dict[str, int]], FitReport], slices: int = 1) -> Optional[FitReport]:
+    """The lowest-memory ``fsdp x context x model`` mesh over all chips (of each slice, with ``data = slices``
+    across them): the model axis dividing the heads, the context axis the sequence, the fsdp axis the batch.
+    A context axis only cuts activations: it is tried when they are most of the memory (each mesh tried is
+    planned)."""
     best = None
-    seq, batch = report.settings.seq_len, report.settings.batch
+    seq, batch = report.settings.seq_len, report.settings.batch // slices
+    chips //= slices
     long = report.activations > report.params + report.grads + report.optimizer
     for model in (m for m in range(1, chips + 1) if chips % m == 0 and shape.heads % m == 0):
         for context in (c for c in range(1, (chips // model if long else 1) + 1)
                         if (chips // model) % c == 0 and seq % c == 0):
             fsdp = chips // (model * context)
-            mesh = {k: v for k, v in (("fsdp", fsdp), ("context", context), ("model", model)) if v > 1}
+            mesh = {k: v for k, v in (("data", slices), ("fsdp", fsdp), ("context", context), ("model", model)) if v > 1}
             if mesh == report.mesh or batch % fsdp:
                 continue
             candidate = remesh(mesh or {"model": 1})

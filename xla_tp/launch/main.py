@@ -148,9 +148,9 @@ def _fit_check(args: argparse.Namespace, recipe: Recipe, topology: Topology, axe
     from .session import RUNS, Session
     cache = None
     if not args.dry_run and not jax:   # before the first XLA computation (Session's mesh is one)
-        import torch_xla.runtime as xr
+        from .. import processes
         with one_line_warnings("launch"):
-            cache = cache_from_args(args, (run_dir or RUNS) / "xla_cache", xr.process_index())
+            cache = cache_from_args(args, (run_dir or RUNS) / "xla_cache", processes.index())
     session = Session(recipe, topology, axes, process_index)
     if not args.dry_run and args.overwrite and session.process_index == 0:
         for line in earlier.move_aside():

@@ -193,6 +193,9 @@ def check_for_topology(recipe: Recipe, topology: Topology) -> dict[str, int]:
     mesh = recipe.mesh_for(topology)
     where = f"{recipe.path}: mesh" if recipe.mesh is not None else f"topology {topology.name}: mesh"
     check_mesh(mesh, topology.chips, where)
+    if topology.slices > 1:
+        from .slices import hybrid_shapes
+        hybrid_shapes(mesh, topology.slices)      # the data axis crosses the slices
     ways = batch_ways(mesh)
     if recipe.batch % ways:
         raise LaunchError(f"{recipe.path}: batch={recipe.batch} does not divide over data x fsdp = {ways} "

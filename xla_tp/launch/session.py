@@ -23,13 +23,14 @@ import yaml
 
 import xla_tp
 
+from .. import processes
 from ..axes import axis_names
 from ..compile_cache import CompileCache
 from ..compiles import compile_counts
 from ..dataflow.graph import Graph
 from .check import compare_one_step, parallelizer
 from .checkpoints import Checkpoints
-from .data import Batches, check_data
+from .data import Batches, check_data, host_rows
 from .fit import BYTES, FitReport, FitSettings, estimate, human, suggest
 from .model import ModelShape, active_parameters, build_model, hf_config, model_shape
 from .plans import PlanInput, PlannedSpecs, plan_input, plan_specs
@@ -37,6 +38,7 @@ from .progress import Reporter
 from .recipe import PRECISIONS, Recipe
 from .rerun import rewind_metrics
 from .schema import LaunchError
+from .slices import hybrid_mesh
 from .topology import Topology
 from .train import Loop, causal_or_masked_loss, flops_per_token, make_optimizer, to_device
 
@@ -58,7 +60,9 @@ class Session:
         self.plan = plan_input(recipe)
         check_data(recipe.data, self.shape.vocab, recipe.seq_len, recipe.model.task)   # before the runtime starts
         self.mesh = xla_tp.make_mesh(**axes)
-        self.process_index = xr.process_index() if process_index is None else process_index
+        if topology.slices > 1 and xr.device_type() == "TPU":    # the slices' devices, data over DCN
+            self.mesh = hybrid_mesh(axes, topology.slices)
+        self.process_index = processes.index() if process_index is None else process_index
         self.reporter = Reporter(None, self.process_index)
 
     def say(self, text: str = "") -> None:
@@ -72,8 +76,9 @@ class Session:
         planned = plan_specs(meta, self.plan, self.mesh)
         n_params = sum(p.numel() for p in meta.parameters())
         active = active_parameters(meta, self.shape)
-        self.say(f"xla-tp launch {r.name}: {t.name} ({t.chips} chips, {t.hosts} host(s)), mesh "
-                 f"{_axes(self.axes)}, process {self.process_index} of {xr.process_count()}")
+        slices = f", {t.slices} slices: data={self.axes.get('data', 1)} over DCN" if t.slices > 1 else ""
+        self.say(f"xla-tp launch {r.name}: {t.name} ({t.chips} chips, {t.hosts} host(s){slices}), mesh "
+                 f"{_axes(self.axes)}, process {self.process_index} of {processes.count()}")
         self.say(f"model: {type(meta).__name__} from {type(self.config).__name__}, {n_params / 1e6:,.1f} M "
                  f"parameters{f' ({active / 1e6:,.1f} M active per token)' if active != n_params else ''} on meta, {r.precision}; plan {r.plan if isinstance(r.plan, str) else 'inline'} "
                  f"({planned.source}); global batch {r.batch} x {r.seq_len} tokens\n")
@@ -83,7 +88,7 @@ class Session:
         self.say(fit.table())
         if not fit.fits:
             tips = suggest(fit, self.shape, t.chips, estimator(meta, self.plan, self.shape, settings, t,
-                                                               planned.graph))
+                                                               planned.graph), t.slices)
             self.say(f"\nrefused: {r.name} needs about {human(fit.total)} per chip on {t.name}, which has "
                      f"{human(fit.usable)} usable. What would change that (as overrides):")
             for tip in tips:
@@ -103,6 +108,7 @@ class Session:
         r, t = self.recipe, self.topology
         checkpoints = Checkpoints(r, resume)
         check_devices(t)
+        processes.init_group()   # several hosts: the gloo group checkpoints coordinate through
         run_dir = run_dir if run_dir is not None else RUNS / f"{r.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         self.reporter = Reporter(run_dir, self.process_index)
         model = build_model(self.config, r.model.task, device="cpu", dtype=self.dtype, seed=r.seed)
@@ -134,8 +140,10 @@ class Session:
                  "seq_len": r.seq_len, "precision": r.precision, "optimizer": vars(r.optimizer)}))
         peak = None if t.peak_bf16_tflops_per_chip is None else t.peak_bf16_tflops_per_chip * 1e12 * t.chips
         self.say(f"training {r.steps} steps; metrics: {run_dir / 'metrics.jsonl'}")
+        host = None if processes.count() == 1 else host_rows(r.batch, self.axes, processes.local_devices(t.chips),
+                                                             np.asarray(self.mesh.device_ids).ravel().tolist())
         loop = Loop(model, optimizer, schedule, batches, self.mesh, r, self.reporter,
-                    flops_per_token(model, self.shape, r.seq_len), peak, checkpoints)
+                    flops_per_token(model, self.shape, r.seq_len), peak, checkpoints, host)
         status = loop.run(start_step=start_step)
         self.say((cache or CompileCache(None, off="not turned on")).summary(compile_counts()))
         return status

@@ -3,7 +3,9 @@
 Each file describes one slice type people rent (``v5p-64``, ``v6e-8``, ...) or the CPU emulation
 (``cpu-8``): chips, TPU VM hosts, chips per host, HBM and peak bf16 TFLOP/s per chip, ICI bandwidth,
 the physical topology, the default ``data``/``fsdp``/``model`` mesh, and where the figures come
-from. Example::
+from. A multi-slice topology (``v5e-256x2``) says ``slices: N``: its chips and hosts count every slice,
+its physical topology is one slice's, and its mesh's ``data`` axis (the one crossing slices, over DCN)
+is a multiple of N (``slices.py``). Example::
 
     topo = load_topology("v5p-64")
     topo.chips, topo.hosts, topo.mesh        # 32, 8, {'fsdp': 8, 'model': 4}
@@ -39,6 +41,7 @@ class Topology:
     physical_topology: Optional[str]      # "2x4x4" as the vendor writes it
     mesh: dict[str, int]                  # default mesh, axes from data/fsdp/model
     source: str                           # where the figures come from
+    slices: int = 1                       # identical slices joined over DCN (multi-slice); chips and hosts count all
     env: dict[str, str] = field(default_factory=dict)   # environment a run needs (CPU emulation)
     name: str = ""                        # the file's stem, set by the loader
 
@@ -72,12 +75,17 @@ def check_topology(topo: Topology, where: str) -> None:
     if topo.hosts * topo.chips_per_host != topo.chips:
         raise LaunchError(f"{where}: hosts x chips_per_host = {topo.hosts} x {topo.chips_per_host} "
                           f"!= chips = {topo.chips}")
+    if topo.slices < 1 or topo.hosts % topo.slices:
+        raise LaunchError(f"{where}: slices={topo.slices} must be >= 1 and divide hosts={topo.hosts}")
     if topo.physical_topology is not None:
         dims = parse_shape(topo.physical_topology, f"{where}: physical_topology")
-        if math.prod(dims) != topo.chips:
+        if math.prod(dims) * topo.slices != topo.chips:
             raise LaunchError(f"{where}: physical_topology {topo.physical_topology} has {math.prod(dims)} "
-                              f"chips, not {topo.chips}")
+                              f"chips, not {topo.chips // topo.slices}" + (" per slice" if topo.slices > 1 else ""))
     check_mesh(topo.mesh, topo.chips, f"{where}: mesh")
+    if topo.slices > 1:
+        from .slices import hybrid_shapes
+        hybrid_shapes(topo.mesh, topo.slices)
     if topo.is_tpu and (topo.hbm_gib_per_chip is None or topo.peak_bf16_tflops_per_chip is None):
         raise LaunchError(f"{where}: a TPU topology needs hbm_gib_per_chip and peak_bf16_tflops_per_chip")
 

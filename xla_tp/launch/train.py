@@ -28,11 +28,12 @@ import torch_xla
 import torch_xla.distributed.spmd as xs
 from torch import nn
 
+from .. import processes
 from ..axes import batch_axes, spec_entry
 from ..compiles import compiled
 from ..lowering.routed import moe_report
 from .checkpoints import Checkpoints
-from .data import IGNORE, Batches
+from .data import IGNORE, Batches, HostRows
 from .model import ModelShape, active_parameters
 from .progress import Reporter
 from .recipe import OptimizerSpec, Recipe
@@ -101,11 +102,18 @@ def batch_spec(mesh: xs.Mesh) -> tuple:
     return (spec_entry(batch_axes(dict(zip(mesh.axis_names, mesh.mesh_shape)))), None)
 
 
-def to_device(t: torch.Tensor, mesh: xs.Mesh) -> torch.Tensor:
-    """A CPU ``[batch, seq]`` tensor on the XLA device, batch-sharded."""
-    t = t.to(torch_xla.device())
-    xs.mark_sharding(t, mesh, batch_spec(mesh))
-    return t
+def to_device(t: torch.Tensor, mesh: xs.Mesh, host: Optional[HostRows] = None) -> torch.Tensor:
+    """A CPU ``[batch, seq]`` tensor on the XLA device, batch-sharded. With ``host`` (several hosts), ``t``
+    holds only this host's rows of the global batch (``host.rows``), and the global batch is assembled from
+    every host's rows: each of this host's devices receives the block it holds (torch_xla's sharded-input
+    path, ``_global_tensor_from_cpu_shards``), so no host reads all of it."""
+    if host is None:
+        t = t.to(torch_xla.device())
+        xs.mark_sharding(t, mesh, batch_spec(mesh))
+        return t
+    shards = [t[block].contiguous() for block in host.shards]
+    return torch_xla._XLAC._global_tensor_from_cpu_shards(shards, mesh.get_op_sharding(batch_spec(mesh)),
+                                                          [host.batch, *t.shape[1:]])
 
 
 class StopFlag:
@@ -125,6 +133,12 @@ class StopFlag:
             raise KeyboardInterrupt
         self.stop = True
 
+    def agreed(self) -> bool:
+        """Whether any process was asked to stop: on several hosts, one stopped host stops them all after
+        the same step (each step's collectives need every host). Read once per step, by every process."""
+        self.stop = any(processes.gathered(self.stop))
+        return self.stop
+
     def __exit__(self, *exc: Any) -> None:
         for sig, old in self._old.items():
             signal.signal(sig, old)
@@ -142,6 +156,7 @@ class Loop:
     flops_per_token: int
     peak_flops: Optional[float]          # the whole slice's peak bf16 FLOP/s; None on CPU
     checkpoints: Optional[Checkpoints] = None
+    host: Optional[HostRows] = None      # several hosts: the rows of each batch this one reads
 
     def run(self, start_step: int = 0) -> int:
         """Train from ``start_step`` to ``recipe.steps``; 0 when done, 130 when stopped early."""
@@ -157,6 +172,7 @@ class Loop:
                     lr = self.optimizer.param_groups[0]["lr"]   # this step's learning rate
                     loss = self._step(loss_fn, step)
                     step += 1
+                    flag.agreed()
                     if step % r.log_interval == 0 or step in (start_step + 1, r.steps) or flag.stop:
                         value = loss.item()   # waits for the step: the interval's time is device time
                         now = time.perf_counter()
@@ -178,8 +194,8 @@ class Loop:
             self.reporter.close()
 
     def _step(self, loss_fn, step: int) -> torch.Tensor:
-        inputs, targets = self.batches.get(step)
-        _, loss = loss_fn(self.model, to_device(inputs, self.mesh), to_device(targets, self.mesh))
+        inputs, targets = self.batches.get(step, None if self.host is None else self.host.rows)
+        _, loss = loss_fn(self.model, to_device(inputs, self.mesh, self.host), to_device(targets, self.mesh, self.host))
         loss.backward()
         if self.recipe.optimizer.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.recipe.optimizer.grad_clip)
