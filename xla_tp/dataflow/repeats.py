@@ -1,11 +1,10 @@
 """Repeated blocks: a stack's identical layers traced once, their calls copied for the others.
 
 An 80-layer decoder calls 80 layers that compute the same thing on different weights. ``trace``
-records the first two calls of each structure for real; when their records are equal (the same
-calls on the same shapes, read off relative to the block: ``signature``) the later calls of that
-structure are copied from the second (``Span.replay``), with their module names and weights renamed,
-and nothing is run; the last block of the structure is recorded for real again and checked equal (else
-the whole forward is recorded call by call: ``Diverged``). Two blocks have one structure (``structures``) when they sit in one
+records the first call of each structure for real and copies it for the next ones (``Span.replay``),
+module names and weights renamed, nothing run. The last block of the structure is recorded for real
+again and checked equal to the first (the same calls on the same shapes, read off relative to the
+block: ``signature``); if it is not, the whole forward is recorded call by call (``Diverged``). Two blocks have one structure (``structures``) when they sit in one
 ``ModuleList``/``Sequential`` and have the same classes, submodule names, parameter and buffer shapes
 and dtypes and plain attributes (``sliding_window``, ``attention_type``, ``is_sliding``, ...), an
 attribute equal to the block's own index in the stack (``layer_idx``) aside. So Gemma's sliding and
@@ -141,13 +140,15 @@ class Span:
         copy = Copy(self.fqn, fqn, self.node0, self.node1, len(graph.nodes) - self.node0,
                     len(graph.values) - self.value0)
         made: list[Value] = []
+        given = {a.index: args[i] for i, a in reversed(list(enumerate(self.args)))}  # the first position of each
+        own = f"{self.fqn}."
 
         def mapped(v: Value) -> Value:
             if self.value0 <= v.index < self.value1:
                 return made[v.index - self.value0]
-            if any(v is a for a in self.args):
-                return args[next(i for i, a in enumerate(self.args) if a is v)]
-            if v.kind in ("param", "buffer") and v.name.startswith(f"{self.fqn}."):
+            if v.index in given:
+                return given[v.index]
+            if v.kind in ("param", "buffer") and v.name.startswith(own):
                 return leaves[fqn + v.name[len(self.fqn):]]
             return v
 

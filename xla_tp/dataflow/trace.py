@@ -216,10 +216,10 @@ def _record(model: nn.Module, example_inputs: Optional[Sequence[Any]], example_k
 
 @contextlib.contextmanager
 def _copied(model: nn.Module, blocks: dict[str, int], recorder: _Recorder, leaves: dict[str, Value]) -> Iterator[None]:
-    """The forwards of ``blocks`` (FQN -> structure, ``repeats.structures``) recorded for real twice per
-    structure; when the two records are equal, copied for the later blocks (``Span.replay``) but the last,
-    recorded for real again: ``Diverged`` if it did something else."""
-    graph, first, source = recorder.graph, {}, {}
+    """The forwards of ``blocks`` (FQN -> structure, ``repeats.structures``): the first of each structure
+    recorded for real, copied for the others (``Span.replay``) but the last, recorded for real again:
+    ``Diverged`` if it did something else than the first."""
+    graph, source = recorder.graph, {}
     last = {number: fqn for fqn, number in blocks.items()}
 
     def make(v: Value, like: torch.Tensor) -> torch.Tensor:
@@ -233,7 +233,7 @@ def _copied(model: nn.Module, blocks: dict[str, int], recorder: _Recorder, leave
         def call(*args: Any, **kwargs: Any) -> Any:
             tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             values = [recorder.value_of(t) for t in tensors]
-            if source.get(number) is not None and fqn != last[number]:
+            if number in source and fqn != last[number]:
                 out, exits, copy = source[number].replay(graph, fqn, values, leaves, make)
                 recorder.known.update({id(t): v for t, v in zip(tensors, exits)})
                 graph.copies.append(copy)
@@ -245,11 +245,9 @@ def _copied(model: nn.Module, blocks: dict[str, int], recorder: _Recorder, leave
             span.node1, span.value1 = len(graph.nodes), len(graph.values)
             span.exits = [recorder.known[id(t)] for t in tensors]
             span.callers = {k: set(v) for k, v in graph.callers.items() if k.startswith(f"{fqn}.")}
-            if number not in first:
-                first[number] = span
-            elif number not in source:  # the second call: copies only if it did what the first did
-                source[number] = span if first[number].signature(graph) == span.signature(graph) else None
-            elif source[number] is not None and source[number].signature(graph) != span.signature(graph):
+            if number not in source:
+                source[number] = span
+            elif source[number].signature(graph) != span.signature(graph):
                 raise Diverged(fqn)
             return out
         return call
