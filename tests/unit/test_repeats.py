@@ -40,23 +40,24 @@ class Block(nn.Module):
         self.settings = {"whole": whole}
         self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
 
-    def forward(self, x):
+    def forward(self, x, whole=None):
         hidden = self.up(torch.nn.functional.layer_norm(x, x.shape[-1:]))
-        if self.settings["whole"]:  # a norm over the hidden features: nothing splits this block
+        if self.settings["whole"] if whole is None else whole:  # a norm over the hidden features: nothing splits this block
             hidden = torch.nn.functional.layer_norm(hidden, hidden.shape[-1:])
         return x + self.down(torch.relu(hidden))
 
 
 class Stack(nn.Module):
-    def __init__(self, whole: list[bool], h: int = 32):
+    def __init__(self, whole: list[bool], h: int = 32, called: tuple[int, ...] = ()):
         super().__init__()
         self.embed = nn.Embedding(64, h)
         self.blocks = nn.ModuleList(Block(h, w) for w in whole)
+        self.called = called  # blocks called with whole=True
 
     def forward(self, ids):
         x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
+        for i, block in enumerate(self.blocks):
+            x = block(x, whole=True) if i in self.called else block(x)
         return x
 
 
@@ -150,3 +151,12 @@ def test_a_stack_of_equal_blocks_is_copied():
     graph = trace(model)
     assert [(c.source, c.target) for c in graph.copies] == [("blocks.0", f"blocks.{i}") for i in (1, 2, 3)]
     assert graph_key(graph) == graph_key(trace(model, repeats=False))
+
+
+def test_a_block_called_with_other_arguments_is_traced_itself():
+    model = Stack([False] * 5, called=(2,)).eval()
+    graph = trace(model)
+    assert [c.target for c in graph.copies] == ["blocks.1", "blocks.3"]
+    assert graph_key(graph) == graph_key(trace(model, repeats=False))
+    plan = plan_for(model, SIZES, graph=graph)
+    assert [i for i in range(5) if plan.roles.get(f"blocks.{i}.up.weight")] == [0, 1, 3, 4]

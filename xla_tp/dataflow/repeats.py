@@ -100,6 +100,7 @@ class Span:
     node0: int
     value0: int
     args: list[Value]
+    call: tuple = ()  # the call's arguments as ``call_key`` reads them
     node1: int = 0
     value1: int = 0
     exits: list[Value] = field(default_factory=list)
@@ -128,9 +129,13 @@ class Span:
                       for n in graph.nodes[self.node0:self.node1])
         callers = tuple(sorted((rename(k, self.fqn, ""), tuple(sorted(rename(c, self.fqn, "") for c in v)))
                                for k, v in self.callers.items()))
-        return (made, nodes, tuple(a.shape for a in self.args), tuple(a.dynamic for a in self.args),
+        return (made, nodes, self.call,
                 tuple(rel(v) for v in self.exits), self.out_spec,
                 tuple(_plain(a) if v is None else rel(v) for a, v in zip(self.out_leaves, self.out_values)), callers)
+
+    def copyable(self) -> bool:
+        """Whether the output is tensors and plain values only (an object holding tensors cannot be copied)."""
+        return all(v is not None or isinstance(a, (*_SIMPLE, tuple, list)) for a, v in zip(self.out_leaves, self.out_values))
 
     def replay(self, graph: Graph, fqn: str, args: list[Value], leaves: dict[str, Value],
                make: Callable[[Value, torch.Tensor], torch.Tensor]) -> tuple[Any, list[Value], Copy]:
@@ -169,6 +174,15 @@ class Span:
         out = tree_unflatten([a if v is None else make(mapped(v), a) for a, v in zip(self.out_leaves, self.out_values)],
                              self.out_spec)
         return out, [mapped(v) for v in self.exits], copy
+
+
+def call_key(leaves: list[Any], values: list[Value]) -> tuple:
+    """A call's flattened arguments (``leaves``; ``values``: its tensors' values, in order) as two calls that
+    compute the same thing have them: each tensor's shape, dtype and whether it is an activation, the others
+    as they are (an object without a value: itself)."""
+    tensors = iter(values)
+    described = lambda v: (v.shape, v.dtype, v.dynamic)  # noqa: E731
+    return tuple(described(next(tensors)) if isinstance(a, torch.Tensor) else _plain(a) for a in leaves)
 
 
 def _mapped(a: Any, mapped: Callable[[Value], Value]) -> Any:

@@ -30,7 +30,7 @@ from ..errors import PlanError
 from .graph import Graph, Node, Value
 from .inputs import MadeUpInputError, synthesize
 from .positions import every_position
-from .repeats import Diverged, Span, structures
+from .repeats import Diverged, Span, call_key, structures
 from .routing import batched_experts
 
 
@@ -217,8 +217,8 @@ def _record(model: nn.Module, example_inputs: Optional[Sequence[Any]], example_k
 @contextlib.contextmanager
 def _copied(model: nn.Module, blocks: dict[str, int], recorder: _Recorder, leaves: dict[str, Value]) -> Iterator[None]:
     """The forwards of ``blocks`` (FQN -> structure, ``repeats.structures``): the first of each structure
-    recorded for real, copied for the others (``Span.replay``) but the last, recorded for real again:
-    ``Diverged`` if it did something else than the first."""
+    recorded for real, copied for the others called with the same arguments (``call_key``; ``Span.replay``)
+    but the last, recorded for real again: ``Diverged`` if it did something else than the first."""
     graph, source = recorder.graph, {}
     last = {number: fqn for fqn, number in blocks.items()}
 
@@ -231,14 +231,16 @@ def _copied(model: nn.Module, blocks: dict[str, int], recorder: _Recorder, leave
 
     def wrapped(fqn: str, number: int, forward: Callable) -> Callable:
         def call(*args: Any, **kwargs: Any) -> Any:
-            tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            flat = tree_flatten((args, kwargs))[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
             values = [recorder.value_of(t) for t in tensors]
-            if number in source and fqn != last[number]:
+            call = call_key(flat, values)
+            if source.get(number) is not None and fqn != last[number] and call == source[number].call:
                 out, exits, copy = source[number].replay(graph, fqn, values, leaves, make)
                 recorder.known.update({id(t): v for t, v in zip(tensors, exits)})
                 graph.copies.append(copy)
                 return out
-            span = Span(fqn, len(graph.nodes), len(graph.values), values)
+            span = Span(fqn, len(graph.nodes), len(graph.values), values, call)
             out = forward(*args, **kwargs)
             span.out_leaves, span.out_spec = tree_flatten(out)
             span.out_values = [recorder.value_of(t) if isinstance(t, torch.Tensor) else None for t in span.out_leaves]
@@ -246,8 +248,8 @@ def _copied(model: nn.Module, blocks: dict[str, int], recorder: _Recorder, leave
             span.exits = [recorder.known[id(t)] for t in tensors]
             span.callers = {k: set(v) for k, v in graph.callers.items() if k.startswith(f"{fqn}.")}
             if number not in source:
-                source[number] = span
-            elif source[number].signature(graph) != span.signature(graph):
+                source[number] = span if span.copyable() else None
+            elif fqn == last[number] and source[number] is not None and source[number].signature(graph) != span.signature(graph):
                 raise Diverged(fqn)
             return out
         return call
