@@ -81,7 +81,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
 
     def roles(padding: str) -> Roles:
-        out = decide(graph, tp, padding, pick, copies=not on_meta, routed=frozenset(found.nodes))
+        out = _decided(graph, tp, padding, pick, not on_meta, frozenset(found.nodes))
         assign_experts(out, found, tp, experts, ep)
         return out
 
@@ -96,6 +96,17 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
         warnings.warn(f"xla_tp: plan 'auto' found nothing to split in {type(model).__name__} "
                       f"({_first_reasons(plan)}): every parameter is replicated", stacklevel=2)
     return plan
+
+
+def _decided(graph: Graph, tp: int, padding: str, pick: Optional[Pick], copies: bool, routed: frozenset[int]) -> Roles:
+    """``roles.decide``, kept with the graph for the next plan on a mesh with the same model axis (a launcher
+    prices several meshes on one trace); a copy of it (not with ``pick``: a function may pick anything)."""
+    if pick is not None:
+        return decide(graph, tp, padding, pick, copies=copies, routed=routed)
+    key = ("roles", tp, padding, copies, routed)
+    if key not in graph.derived:
+        graph.derived[key] = decide(graph, tp, padding, copies=copies, routed=routed)
+    return graph.derived[key].copy()
 
 
 def _require_optimum(model: nn.Module, plan: Plan) -> None:

@@ -90,6 +90,11 @@ class Roles:
     natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
     # weight is an embedding in one module and an output head in another)
 
+    def copy(self) -> "Roles":
+        """A copy with containers of its own (planners set entries; a ``ParamRole`` is never changed)."""
+        return Roles(dict(self.params), [list(g) for g in self.groups], list(self.blocks), list(self.choices),
+                     list(self.whole_attention), set(self.sites), dict(self.natural))
+
     def set(self, weight: Value, role: ParamRole, module: Optional[str] = None) -> None:
         if module is not None and role.natural:
             self.natural[module] = role.natural
