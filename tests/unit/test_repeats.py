@@ -160,3 +160,14 @@ def test_a_block_called_with_other_arguments_is_traced_itself():
     assert graph_key(graph) == graph_key(trace(model, repeats=False))
     plan = plan_for(model, SIZES, graph=graph)
     assert [i for i in range(5) if plan.roles.get(f"blocks.{i}.up.weight")] == [0, 1, 3, 4]
+
+
+def test_a_plan_on_another_mesh_from_the_same_trace_is_the_plan_from_scratch():
+    """The roles of a model axis size are kept with the trace; a plan that changes its own (experts replicated)
+    leaves them as they were for the next."""
+    model = deepseek_v3()
+    first = plan_for(model, {"model": 4}, experts="replicated")
+    again = plan_for(model, {"data": 2, "model": 4}, graph=first.graph)
+    fresh = plan_for(model, {"data": 2, "model": 4})
+    assert first.roles["model.layers.1.mlp.experts.down_proj"] != fresh.roles["model.layers.1.mlp.experts.down_proj"]
+    assert plan_key(again, model) == plan_key(fresh, model)
