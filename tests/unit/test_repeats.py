@@ -12,6 +12,8 @@ from xla_tp.dataflow.trace import trace
 from xla_tp.planners import plan_for
 from xla_tp.zoo.registry import build
 
+pytestmark = pytest.mark.core
+
 SIZES = {"data": 2, "model": 4}
 
 
@@ -129,6 +131,8 @@ def test_blocks_that_compute_differently_are_different_structures():
     llama = build("llama", layers=4)
     llama.model.layers[2].forward = llama.model.layers[2].forward  # a forward set on one block
     assert "model.layers.2" not in structures(llama) and "model.layers.3" in structures(llama)
+    block = lambda: nn.Sequential(nn.ModuleList(nn.Linear(4, 4) for _ in range(3)), nn.Linear(4, 4))  # noqa: E731
+    assert structures(nn.Sequential(*(block() for _ in range(3)))) == {"0": 0, "1": 0, "2": 0}  # not their insides
 
 
 @pytest.mark.parametrize("whole", [[True, False, False, False, False], [False, False, False, False, True]],

@@ -38,7 +38,7 @@ def structures(model: nn.Module) -> dict[str, int]:
     stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))]
     inside: list[str] = []
     for name, stack in stacks:
-        if any(name.startswith(f"{o}.") for o in inside):
+        if any(o == "" or name.startswith(f"{o}.") for o in inside):  # "": the model itself is the stack
             continue
         blocks = [(f"{name}.{child}" if name else child, block) for child, block in stack.named_children()
                   if any(True for _ in block.parameters())]
