@@ -7,7 +7,8 @@ calls (``trace(repeats=False)``: what it cost before identical layers were copie
 search (``xla-tp launch llama3-70b --topology v5e-8 --dry-run``: refused, every suggestion's mesh planned
 and estimated), in this process. torch: ``parallelize_module`` on the same meta model with a 1-process
 gloo group and a CPU ``DeviceMesh`` of size 1 (the only mesh a single CPU process can build). Wall times
-on a shared CPU: compare the ratios. ``python -m bench.planning`` writes ``bench/results/planning.json``.
+on a shared CPU (medians of three interleaved rounds): compare the ratios. ``python -m bench.planning``
+writes ``bench/results/planning.json``.
 Example::
 
     planning_times()   # {"xla_tp_auto_s": 0.5, "torch_s": 0.2, "ratios": {"auto_vs_torch": 2.5, ...}, ...}
@@ -18,6 +19,7 @@ import argparse
 import contextlib
 import io
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -37,28 +39,34 @@ def _meta_model() -> Llama:
         return Llama(LLAMA3_70B)
 
 
-def planning_times(mesh_search: bool = True) -> dict[str, Any]:
-    """Seconds to plan the 70B-shaped meta model, xla_tp vs torch (or why torch could not), and their ratios."""
-    model = _meta_model()
+def planning_times(mesh_search: bool = True, rounds: int = 3) -> dict[str, Any]:
+    """Seconds to plan the 70B-shaped meta model, xla_tp vs torch (or why torch could not), and their ratios:
+    medians of ``rounds`` interleaved rounds of "auto" (both models) and torch (a shared CPU's load comes
+    and goes); the every-call trace and the mesh search once."""
+    model, hf = _meta_model(), _hf_meta_model()
     start = time.perf_counter()
     layout = build_layout(model, megatron_tp_plan(), {"model": 8}, "model")
     validate(model, layout, {"model": 8})
     out: dict[str, Any] = {"params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 1),
-                           "xla_tp_s": time.perf_counter() - start,
-                           "xla_tp_auto_s": _auto_planning_time(model),
-                           "xla_tp_auto_hf_s": _auto_planning_time(_hf_meta_model()),
-                           "xla_tp_auto_every_call_s": _auto_planning_time(model, repeats=False),
+                           "xla_tp_s": time.perf_counter() - start, "rounds": rounds,
                            "torch_how": "parallelize_module, gloo world_size=1, DeviceMesh('cpu', [0])"}
-    if mesh_search:
-        out["launch_mesh_search_s"] = _mesh_search_time()
+    samples: dict[str, list[float]] = {"xla_tp_auto_s": [], "xla_tp_auto_hf_s": [], "torch_s": []}
     try:
-        out["torch_s"] = _torch_planning_time(_meta_model())
+        for _ in range(rounds):
+            samples["xla_tp_auto_s"].append(_auto_planning_time(model))
+            samples["xla_tp_auto_hf_s"].append(_auto_planning_time(hf))
+            samples["torch_s"].append(_torch_planning_time(_meta_model()))
     except Exception as error:  # recorded, not hidden
         out["torch_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-        return out
-    out["ratios"] = {"auto_vs_torch": out["xla_tp_auto_s"] / out["torch_s"],
-                     "auto_hf_vs_torch": out["xla_tp_auto_hf_s"] / out["torch_s"],
-                     "every_call_vs_auto": out["xla_tp_auto_every_call_s"] / out["xla_tp_auto_s"]}
+    out.update({name: statistics.median(times) for name, times in samples.items() if times})
+    out["samples"] = samples
+    out["xla_tp_auto_every_call_s"] = _auto_planning_time(model, repeats=False)
+    if mesh_search:
+        out["launch_mesh_search_s"] = _mesh_search_time()
+    if "torch_s" in out:
+        out["ratios"] = {"auto_vs_torch": out["xla_tp_auto_s"] / out["torch_s"],
+                         "auto_hf_vs_torch": out["xla_tp_auto_hf_s"] / out["torch_s"],
+                         "every_call_vs_auto": out["xla_tp_auto_every_call_s"] / out["xla_tp_auto_s"]}
     return out
 
 
