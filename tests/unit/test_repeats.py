@@ -133,6 +133,8 @@ def test_blocks_that_compute_differently_are_different_structures():
     assert "model.layers.2" not in structures(llama) and "model.layers.3" in structures(llama)
     block = lambda: nn.Sequential(nn.ModuleList(nn.Linear(4, 4) for _ in range(3)), nn.Linear(4, 4))  # noqa: E731
     assert structures(nn.Sequential(*(block() for _ in range(3)))) == {"0": 0, "1": 0, "2": 0}  # not their insides
+    wrapped = nn.Sequential(nn.Embedding(8, 4), nn.ModuleList(nn.Linear(4, 4) for _ in range(3)), nn.Linear(4, 8))
+    assert structures(wrapped) == {"1.0": 0, "1.1": 0, "1.2": 0}  # a stack inside a stack of different blocks
 
 
 @pytest.mark.parametrize("whole", [[True, False, False, False, False], [False, False, False, False, True]],

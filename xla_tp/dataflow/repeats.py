@@ -33,12 +33,11 @@ _OWN = ("_parameters", "_buffers", "_modules", "training", "_non_persistent_buff
 
 def structures(model: nn.Module) -> dict[str, int]:
     """FQN -> structure number, for the blocks of a stack that another block of the stack repeats
-    (the outermost stacks only: a block's own stacks are traced within it)."""
+    (not the stacks inside such a block: they are traced or copied with it)."""
     found: dict[str, int] = {}
     stacks = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential, nn.ModuleDict))]
-    inside: list[str] = []
     for name, stack in stacks:
-        if any(o == "" or name.startswith(f"{o}.") for o in inside):  # "": the model itself is the stack
+        if any(name == m or name.startswith(f"{m}.") for m in found):
             continue
         blocks = [(f"{name}.{child}" if name else child, block) for child, block in stack.named_children()
                   if any(True for _ in block.parameters())]
@@ -53,8 +52,6 @@ def structures(model: nn.Module) -> dict[str, int]:
             if len(members) > 2:
                 number = len(set(found.values()))
                 found.update({m: number for m in members})
-        if blocks:
-            inside.append(name)
     return found
 
 
