@@ -219,7 +219,8 @@ def _apply(region: "Region", name: str, entries: Any) -> None:
         getattr(region, name).update(entries)
 
 
-Rests = dict[tuple, tuple[_Log, dict[str, int]]]  # (value index, features, whole) -> (a walk's log, where the rest starts)
+# (value index, features, whole window) -> (a walk's log, where the rest after that value starts)
+Rests = dict[tuple, tuple[_Log, dict[str, int]]]
 
 
 def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Region:
@@ -229,9 +230,9 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
     queued), kept by this walk too. A walk that reaches that value alone, with the same features and
     whole window, does it again from the record instead of stepping each op (the rest of an 80-layer
     residual stream is walked once, not once per projection). Every change a walk makes to its region
-    is logged (``_Log``); the rest after such a value depends on nothing before it: the values it reaches come
-    later in the call order than everything walked before, and a record with a block copied
-    (``_copy``: it takes values walked before out of the split) is not kept."""
+    is logged (``_Log``). The rest after such a value depends on nothing before it: the values it
+    reaches come later in the call order than everything walked before, and a record with a block
+    copied (``_copy``: it takes values walked before out of the split) is not kept."""
     region = Region(proj)
     start = proj.node.outputs[0]
     region.values[start.index] = proj.features

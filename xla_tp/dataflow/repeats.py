@@ -1,15 +1,16 @@
 """Repeated blocks: a stack's identical layers traced once, their calls copied for the others.
 
 An 80-layer decoder calls 80 layers that compute the same thing on different weights. ``trace``
-records the first call of each structure for real and copies it for the next ones (``Span.replay``),
-module names and weights renamed, nothing run. The last block of the structure is recorded for real
-again and checked equal to the first (the same calls on the same shapes, read off relative to the
-block: ``signature``); if it is not, the whole forward is recorded call by call (``Diverged``). Two blocks have one structure (``structures``) when they sit in one
-``ModuleList``/``Sequential`` and have the same classes, submodule names, parameter and buffer shapes
-and dtypes and plain attributes (``sliding_window``, ``attention_type``, ``is_sliding``, ...), an
-attribute equal to the block's own index in the stack (``layer_idx``) aside. So Gemma's sliding and
-full layers, a dense first layer before MoE layers, or a layer whose forward the user replaced are
-traced on their own. Example:
+records the first call of each structure for real and copies it for the next ones called with the
+same arguments (``Span.replay``), module names and weights renamed, nothing run. The last block of the
+structure is recorded for real again and checked equal to the first (the same calls on the same
+shapes, read off relative to the block: ``signature``); if it is not, the whole forward is recorded
+call by call (``Diverged``). Two blocks have one structure (``structures``) when they sit in one
+``ModuleList``, ``Sequential`` or ``ModuleDict`` and have the same classes, submodule names, parameter
+and buffer shapes and dtypes and plain attributes (``sliding_window``, ``attention_type``,
+``is_sliding``, ...), an attribute equal to the block's own index in the stack (``layer_idx``) aside.
+So Gemma's sliding and full layers, a dense first layer before MoE layers, or a layer whose forward
+the user replaced are traced on their own. Example:
 
 >>> from torch import nn
 >>> stack = nn.ModuleList([nn.Linear(8, 8) for _ in range(3)] + [nn.Linear(8, 4)])
