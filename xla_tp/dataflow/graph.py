@@ -64,6 +64,23 @@ class Node:
         return f"Node#{self.index}({self.op} in {self.module or '<root>'!r})"
 
 
+@dataclass(frozen=True)
+class Copy:
+    """Nodes ``[node0, node1)`` of the block ``source`` copied for the block ``target`` (``repeats``): the copy of
+    node ``i`` is node ``i + node_shift``, of a value made in the block ``v`` is ``v + value_shift``."""
+
+    source: str
+    target: str
+    node0: int
+    node1: int
+    node_shift: int
+    value_shift: int
+
+    def holds(self, node: int) -> bool:
+        """Whether node index ``node`` is one of this copy's nodes."""
+        return self.node0 + self.node_shift <= node < self.node1 + self.node_shift
+
+
 @dataclass
 class Graph:
     """The whole trace: nodes in call order, values, and the named leaves."""
@@ -74,6 +91,7 @@ class Graph:
     inputs: list[Value] = field(default_factory=list)
     outputs: list[Value] = field(default_factory=list)
     callers: dict[str, set[str]] = field(default_factory=dict)  # module FQN -> the modules whose forward called it
+    copies: list[Copy] = field(default_factory=list)  # blocks recorded as copies of an identical one (``repeats``)
     # what analyses derive from the trace alone, kept for the next question (``regions.explored``)
     derived: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 

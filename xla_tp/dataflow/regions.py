@@ -22,13 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Optional
+from typing import Any, Optional
 
 from .contract import contraction
-from .graph import Graph, Node, Value
+from .graph import Copy, Graph, Node, Value
 from .ops import Step, step, trace_param
+from .repeats import rename
 from .shapes import Factor, Features
 
 ATTENTION_OPS = ("scaled_dot_product_attention", "multi_head_attention_forward")
@@ -120,76 +122,213 @@ def explored(graph: Graph) -> list[Region]:
     prices each mesh a launcher considers on the same trace), each call handed its own copies (a
     planner may set a copy's ``stop``)."""
     if "regions" not in graph.derived:
-        graph.derived["regions"] = [explore(graph, p) for p in projections(graph)]
+        graph.derived["regions"] = _explore_all(graph)
     return [dataclasses.replace(r) for r in graph.derived["regions"]]
 
 
-def explore(graph: Graph, proj: Projection) -> Region:
-    """Follow ``proj``'s output features until every path ends (see the module docstring)."""
+def _explore_all(graph: Graph) -> list[Region]:
+    """``explore`` of every projection; in a block copied from another (``graph.copies``), the region of
+    the same projection there, moved over (``_moved``), when neither leaves its block."""
+    copies = {i: c for c in graph.copies for i in range(c.node0 + c.node_shift, c.node1 + c.node_shift)}
+    found: dict[int, Region] = {}
+    rests: Rests = {}
+    for p in projections(graph):
+        copy = copies.get(p.node.index)
+        source = found.get(p.node.index - copy.node_shift) if copy is not None else None
+        found[p.node.index] = (source is not None and _moved(graph, source, copy, p)) or explore(graph, p, rests)
+    return list(found.values())
+
+
+def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Optional[Region]:
+    """``region`` of a projection in ``copy.source`` as the region of its copy ``proj``: what ``explore``
+    finds, when the features stay in the block (every op they reach, and every reader of them, is in it
+    in both); None otherwise."""
+    inside = lambda i: copy.node0 <= i < copy.node1  # noqa: E731
+    nodes = [*region.rows, *region.attention, *region.ends, *region.reductions,
+             *(n.index for n in region.granules.values()), *([region.stop_node.index] if region.stop_node else [])]
+    if region.copied or region.reaches_output or not all(inside(i) for i in nodes):
+        return None
+    outputs = {v.index for v in graph.outputs}
+    for index in region.values:
+        was, now = graph.values[index], graph.values[index + copy.value_shift]
+        if (was.producer is None or not inside(was.producer.index) or now.index in outputs
+                or len(was.consumers) != len(now.consumers) or not all(inside(n.index) for n, _ in was.consumers)
+                or not all(copy.holds(n.index) for n, _ in now.consumers)):
+            return None
+    node = lambda n: graph.nodes[n.index + copy.node_shift]  # noqa: E731
+    moved = lambda d: {i + copy.node_shift: v for i, v in d.items()}  # noqa: E731
+    rows = {}
+    for i, (row, param, dim) in region.rows.items():
+        pos = next(k for k, v in enumerate(row.tensors) if v is param)
+        rows[i + copy.node_shift] = (node(row), node(row).tensors[pos], dim)
+    return dataclasses.replace(
+        region, projection=proj, values={i + copy.value_shift: f for i, f in region.values.items()}, rows=rows,
+        stop_node=node(region.stop_node) if region.stop_node else None,
+        attention={i + copy.node_shift for i in region.attention},
+        granules={size: node(n) for size, n in region.granules.items()}, windows=set(region.windows),
+        slicers={rename(m, copy.source, copy.target) for m in region.slicers},
+        merges={rename(m, copy.source, copy.target) for m in region.merges}, ends=moved(region.ends),
+        reductions={i + copy.node_shift: node(n) for i, n in region.reductions.items()},
+        row_windows=moved(region.row_windows), copied={}, granule_windows=dict(region.granule_windows))
+
+
+_ASSIGNED = ("values", "rows", "row_windows", "reductions")  # a dict entry set again takes the new item
+_FIRST = ("ends", "granules", "granule_windows")  # a dict entry set again keeps the first item
+_MEMBERS = ("windows", "attention", "slicers", "merges")  # a set's members
+
+
+class _Log:
+    """Every change a walk made to its region, per field of ``Region`` in order (``reaches_output``: one
+    entry per output reached; ``stop``: the stop that ended it), then the log whose rest it did again."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, list] = {n: [] for n in (*_ASSIGNED, *_FIRST, *_MEMBERS, "reaches_output", "stop")}
+        self.then: Optional[tuple["_Log", dict[str, int]]] = None
+
+    def at(self) -> dict[str, int]:
+        """Where the log is now."""
+        return {n: len(entries) for n, entries in self.fields.items()}
+
+    def change(self, region: "Region", name: str, key: Any, item: Any = None) -> None:
+        """Log one change and make it in ``region``."""
+        self.fields[name].append((key, item))
+        _apply(region, name, [(key, item)])
+
+    def redo(self, region: "Region", at: dict[str, int]) -> None:
+        """The changes from ``at`` on (and those of the logs it continues into) made in ``region``."""
+        log: Optional[_Log] = self
+        while log is not None:
+            for name, entries in log.fields.items():
+                if len(entries) > at[name]:
+                    _apply(region, name, itertools.islice(entries, at[name], None))
+            log, at = log.then if log.then is not None else (None, at)
+
+
+def _apply(region: "Region", name: str, entries: Any) -> None:
+    if name == "stop":
+        region.stop, region.stop_node = next(iter(entries))
+    elif name == "reaches_output":
+        region.reaches_output = True
+    elif name in _MEMBERS:
+        getattr(region, name).update(key for key, _ in entries)
+    elif name in _FIRST:
+        target = getattr(region, name)
+        for key, item in entries:
+            target.setdefault(key, item)
+    else:
+        getattr(region, name).update(entries)
+
+
+# (value index, features, whole window) -> (a walk's log, where the rest after that value starts)
+Rests = dict[tuple, tuple[_Log, dict[str, int]]]
+
+
+def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Region:
+    """Follow ``proj``'s output features until every path ends (see the module docstring).
+
+    ``rests``: what earlier walks of the same graph did after a value they reached alone (nothing else
+    queued), kept by this walk too. A walk that reaches that value alone, with the same features and
+    whole window, does it again from the record instead of stepping each op (the rest of an 80-layer
+    residual stream is walked once, not once per projection). Every change a walk makes to its region
+    is logged (``_Log``). The rest after such a value depends on nothing before it: the values it
+    reaches come later in the call order than everything walked before, and a record with a block
+    copied (``_copy``: it takes values walked before out of the split) is not kept."""
     region = Region(proj)
     start = proj.node.outputs[0]
     region.values[start.index] = proj.features
     work = [(start.index, start)]  # in call order, so a stop names the first op that needs the whole dim
     outputs = {v.index for v in graph.outputs}
     whole = (proj.features.base, proj.features.span)
+    log = _Log()
+    marks: list[tuple[tuple, dict[str, int]]] = []  # values reached alone: (their key in rests, where the log was)
+
+    def change(name: str, key: Any, item: Any = None) -> None:
+        log.change(region, name, key, item)
+
+    def stopped(why: str, node: Node) -> Region:
+        change("stop", why, node)
+        return _kept(rests, marks, log, region)
+
+    def copied(window: tuple[Fraction, Fraction], why: str, node: Node) -> bool:
+        done = _copy(region, window, why, node)
+        if done:  # what follows depends on the values it took out: no record of a rest before here
+            marks.clear()
+        return done
+
     while work:
         _, value = heapq.heappop(work)
         feats = region.values.get(value.index)
         if feats is None:  # in a block copied since it was queued
             continue
         window = (feats.base, feats.span)
+        if rests is not None and not work and window == whole:
+            key = (value.index, feats, whole)
+            if key in rests:
+                log.then = rests[key]
+                log.then[0].redo(region, log.then[1])
+                if region.stop:
+                    return _kept(rests, marks, log, region)
+                break
+            marks.append((key, log.at()))
         if window != whole:
-            region.windows.add(window)
+            change("windows", window)
         if value.index in outputs:
-            region.reaches_output = True
+            change("reaches_output", True)
         for node, pos in value.consumers:
             if is_attention(node):
-                region.attention.add(node.index)
+                change("attention", node.index)
             s = step(node, pos, feats)
             if s.reduces and window != whole:  # a statistic over one block of a packed output: not a partial sum
                 s = Step(stop=f"reduces ({node.op}) over one block of a packed projection's split features")
-            if s.stop and window != whole and _copy(region, window, s.stop, node):
+            if s.stop and window != whole and copied(window, s.stop, node):
                 break  # a packed block that cannot stay split: every device gets a copy of it
             if s.stop:
-                region.stop, region.stop_node = s.stop, node
-                return region
+                return stopped(s.stop, node)
             if s.row is not None:
-                region.rows[node.index] = (node, *s.row)
-                region.row_windows[node.index] = window
+                change("rows", node.index, (node, *s.row))
+                change("row_windows", node.index, window)
                 continue
             if s.ends:
-                region.ends.setdefault(node.index, s.ends)
+                change("ends", node.index, s.ends)
                 continue
             if s.reduces:
-                region.reductions[node.index] = node
+                change("reductions", node.index, node)
                 continue
             for i, f in s.outputs:
                 out = node.outputs[i]
                 seen = region.values.get(out.index)
                 if seen is None:
-                    region.values[out.index] = f
+                    change("values", out.index, f)
                     if (f.base, f.span) != (feats.base, feats.span):
-                        region.slicers.add(node.module)
+                        change("slicers", node.module)
                     if f.hard and not _split_per_block(out, f):
-                        region.granules.setdefault(f.lead.size, node)
-                        region.granule_windows.setdefault(f.lead.size, (f.base, f.span))
+                        change("granules", f.lead.size, node)
+                        change("granule_windows", f.lead.size, (f.base, f.span))
                     if any(x.outer > 1 for x in f.factors):
-                        region.merges.add(node.module)
+                        change("merges", node.module)
                     heapq.heappush(work, (out.index, out))
                 elif seen.lead.dim != f.lead.dim:
                     why = "meets itself split along two different dimensions"
                     other = (seen.base, seen.span)  # the smaller block is copied (a key/value head, not the queries)
-                    if other != whole and other[1] < window[1] and _copy(region, other, why, node):
-                        region.values[out.index] = f
+                    if other != whole and other[1] < window[1] and copied(other, why, node):
+                        change("values", out.index, f)
                         heapq.heappush(work, (out.index, out))
                         continue
-                    if window != whole and _copy(region, window, why, node):
+                    if window != whole and copied(window, why, node):
                         break
-                    region.stop, region.stop_node = why, node
-                    return region
+                    return stopped(why, node)
+    _kept(rests, marks, log, region)
     if region.reductions and not region.attention:  # a residual stream split by its hidden size: not this plan's
         node = next(iter(region.reductions.values()))
         region.stop, region.stop_node = f"reduces ({node.op}) over the sharded dimension", node
+    return region
+
+
+def _kept(rests: Optional[Rests], marks: list[tuple[tuple, dict[str, int]]], log: _Log, region: Region) -> Region:
+    """``region``, its walk done: the rest after each value it reached alone kept in ``rests``."""
+    if rests is not None:
+        for key, at in marks:
+            rests.setdefault(key, (log, at))
     return region
 
 

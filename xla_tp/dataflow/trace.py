@@ -30,6 +30,7 @@ from ..errors import PlanError
 from .graph import Graph, Node, Value
 from .inputs import MadeUpInputError, synthesize
 from .positions import every_position
+from .repeats import Diverged, Span, call_key, structures
 from .routing import batched_experts
 
 
@@ -142,11 +143,25 @@ def _shape_only(name: str) -> bool:
 def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
           example_kwargs: Optional[Mapping[str, Any]] = None, *,
           swap: Optional[Callable[[str, torch.Tensor], torch.Tensor]] = None,
-          modes: Sequence[TorchFunctionMode] = ()) -> Graph:
+          modes: Sequence[TorchFunctionMode] = (), repeats: bool = True) -> Graph:
     """Record one forward of ``model`` on fake tensors; raise ``PlanError`` if it cannot run.
 
     ``swap(fqn, fake)`` may replace a parameter's fake tensor (another shape: a re-laid weight);
-    ``modes`` are entered around the forward, beneath the recorder (the lowering's own modes)."""
+    ``modes`` are entered around the forward, beneath the recorder (the lowering's own modes).
+    ``repeats``: a stack's identical blocks are traced once and copied (``repeats``; not with ``swap``
+    or ``modes``); False records every call (the same graph, slower)."""
+    if repeats and swap is None and not modes:
+        try:
+            return _record(model, example_inputs, example_kwargs, swap, modes, structures(model))
+        except Diverged:  # the stack's last block did not do what the first ones did: every call recorded
+            pass
+    return _record(model, example_inputs, example_kwargs, swap, modes, {})
+
+
+def _record(model: nn.Module, example_inputs: Optional[Sequence[Any]], example_kwargs: Optional[Mapping[str, Any]],
+            swap: Optional[Callable[[str, torch.Tensor], torch.Tensor]], modes: Sequence[TorchFunctionMode],
+            blocks: dict[str, int]) -> Graph:
+    """``trace`` with the blocks ``blocks`` (FQN -> structure) copied after two equal calls (``_copied``)."""
     made_up = example_inputs is None
     if made_up:
         example_inputs, made = synthesize(model)
@@ -170,14 +185,15 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
         known[id(t)] = v
         graph.inputs.append(v)
     recorder = _Recorder(graph, known, scope)
-    with _own_hooks_only(model), _unchanged_conversions_skipped(model):
+    leaves = {n: known[id(t)] for fqn_list, (_, t) in zip(names, state.values()) for n in fqn_list}
+    with _own_hooks_only(model), _unchanged_conversions_skipped(model), _copied(model, blocks, recorder, leaves):
         handles = _scope_hooks(model, fqns, scope, graph.callers)
         try:
             with fake, batched_experts(model), contextlib.ExitStack() as stack:
                 for mode in (*modes, recorder):
                     stack.enter_context(mode)
                 out = functional_call(model, {n: t for n, (_, t) in state.items()}, inputs[0], inputs[1], strict=False)
-        except PlanError:
+        except (PlanError, Diverged):
             raise
         except (DynamicOutputShapeException, DataDependentOutputException) as e:  # what example inputs cannot fix
             raise (MadeUpInputError if made_up else PlanError)(f"could not trace one forward of {type(model).__name__} on fake tensors to find its "
@@ -196,6 +212,56 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
                 h.remove()
     graph.outputs = [recorder.value_of(t) for t in tree_flatten(_plain(out))[0] if isinstance(t, torch.Tensor)]
     return graph
+
+
+@contextlib.contextmanager
+def _copied(model: nn.Module, blocks: dict[str, int], recorder: _Recorder, leaves: dict[str, Value]) -> Iterator[None]:
+    """The forwards of ``blocks`` (FQN -> structure, ``repeats.structures``): the first of each structure
+    recorded for real, copied for the others called with the same arguments (``call_key``; ``Span.replay``)
+    but the last, recorded for real again: ``Diverged`` if it did something else than the first."""
+    graph, source = recorder.graph, {}
+    last = {number: fqn for fqn, number in blocks.items()}
+
+    def make(v: Value, like: torch.Tensor) -> torch.Tensor:
+        with torch._C.DisableTorchFunction():
+            t = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype).requires_grad_(like.requires_grad)
+        recorder.known[id(t)] = v
+        recorder.keep.append(t)
+        return t
+
+    def wrapped(fqn: str, number: int, forward: Callable) -> Callable:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            flat = tree_flatten((args, kwargs))[0]
+            tensors = [t for t in flat if isinstance(t, torch.Tensor)]
+            values = [recorder.value_of(t) for t in tensors]
+            call = call_key(flat, values)
+            if source.get(number) is not None and fqn != last[number] and call == source[number].call:
+                out, exits, copy = source[number].replay(graph, fqn, values, leaves, make)
+                recorder.known.update({id(t): v for t, v in zip(tensors, exits)})
+                graph.copies.append(copy)
+                return out
+            span = Span(fqn, len(graph.nodes), len(graph.values), values, call)
+            out = forward(*args, **kwargs)
+            span.out_leaves, span.out_spec = tree_flatten(out)
+            span.out_values = [recorder.value_of(t) if isinstance(t, torch.Tensor) else None for t in span.out_leaves]
+            span.node1, span.value1 = len(graph.nodes), len(graph.values)
+            span.exits = [recorder.known[id(t)] for t in tensors]
+            span.callers = {k: set(v) for k, v in graph.callers.items() if k.startswith(f"{fqn}.")}
+            if number not in source:
+                source[number] = span if span.copyable() else None
+            elif fqn == last[number] and source[number] is not None and source[number].signature(graph) != span.signature(graph):
+                raise Diverged(fqn)
+            return out
+        return call
+
+    modules = dict(model.named_modules())
+    for fqn, number in blocks.items():
+        vars(modules[fqn])["forward"] = wrapped(fqn, number, modules[fqn].forward)  # on the instance, taken off below
+    try:
+        yield
+    finally:
+        for fqn in blocks:
+            del vars(modules[fqn])["forward"]
 
 
 def _last_module(graph: Graph) -> str:
@@ -234,12 +300,12 @@ def _own_hooks_only(model: nn.Module) -> Iterator[None]:
     is traced: the trace records the model's own computation, and nothing else sees the fake call."""
     saved = [(mod, name, getattr(mod, name)) for mod in model.modules() for name in _HOOK_DICTS]
     for mod, name, hooks in saved:
-        setattr(mod, name, type(hooks)())
+        vars(mod)[name] = type(hooks)()  # not Module.__setattr__: a thousand modules, each checked
     try:
         yield
     finally:
         for mod, name, hooks in saved:
-            setattr(mod, name, hooks)
+            vars(mod)[name] = hooks
 
 
 @contextlib.contextmanager
@@ -257,12 +323,12 @@ def _unchanged_conversions_skipped(model: nn.Module) -> Iterator[None]:
 
     modules = list(model.modules())
     for module in modules:
-        module._apply = skipping(module, module._apply)  # on the instance, taken off below
+        vars(module)["_apply"] = skipping(module, module._apply)  # on the instance, taken off below
     try:
         yield
     finally:
         for module in modules:
-            del module._apply
+            del vars(module)["_apply"]
 
 
 def _scope_hooks(model: nn.Module, fqns: dict[int, str], scope: list[str], callers: dict[str, set[str]]) -> list:

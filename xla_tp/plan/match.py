@@ -32,7 +32,7 @@ from __future__ import annotations
 import difflib
 import re
 from fnmatch import fnmatchcase
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from ..errors import PlanError
 
@@ -57,8 +57,15 @@ def key_matches(key: str, fqn: str) -> bool:
             raise PlanError(f"plan key {key!r}: invalid regular expression: {e}") from None
     if key == "" or fqn == "":
         return key == fqn
-    parts, names = key.split("."), fqn.split(".")
-    return len(parts) == len(names) and all(fnmatchcase(n, p) for n, p in zip(names, parts))
+    return _segments(key)(fqn.split("."))
+
+
+def _segments(key: str) -> Callable[[list[str]], bool]:
+    """Whether an FQN's segments match the (not regex, not empty) ``key``'s, one by one: a segment without a
+    wildcard compared as it is (the same answer as ``fnmatchcase``, without building a pattern)."""
+    parts = [(p, bool(_WILDCARD_CHARS & set(p))) for p in key.split(".")]
+    return lambda names: len(parts) == len(names) and all(
+        fnmatchcase(n, p) if wild else n == p for n, (p, wild) in zip(names, parts))
 
 
 def match_keys(keys: Iterable[str], fqns: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -69,8 +76,13 @@ def match_keys(keys: Iterable[str], fqns: Sequence[str]) -> tuple[dict[str, str]
     """
     hits: dict[str, list[str]] = {}
     unused: list[str] = []
+    split = [(fqn, fqn.split(".")) for fqn in fqns if fqn]  # once for every key (a 70B model: a thousand modules)
     for key in keys:
-        matched = [fqn for fqn in fqns if key_matches(key, fqn)]
+        if key.startswith("re:") or key == "":
+            matched = [fqn for fqn in fqns if key_matches(key, fqn)]
+        else:
+            matches = _segments(key)
+            matched = [fqn for fqn, names in split if matches(names)]
         for fqn in matched:
             hits.setdefault(fqn, []).append(key)
         if not matched:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from torch import nn
 
-from ..axes import EXPERT, canonical_axis, sizes_of
+from ..axes import EXPERT, canonical_axis, sequence_axes, sizes_of
 from ..dataflow.graph import Graph
 from ..dataflow.routing import find_experts
 from ..dataflow.trace import trace
@@ -81,7 +81,7 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
 
     def roles(padding: str) -> Roles:
-        out = decide(graph, tp, padding, pick, copies=not on_meta, routed=frozenset(found.nodes), sizes=sizes_of(mesh))
+        out = _decided(graph, tp, padding, pick, not on_meta, frozenset(found.nodes), sizes_of(mesh))
         assign_experts(out, found, tp, experts, ep)
         return out
 
@@ -96,6 +96,19 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
         warnings.warn(f"xla_tp: plan 'auto' found nothing to split in {type(model).__name__} "
                       f"({_first_reasons(plan)}): every parameter is replicated", stacklevel=2)
     return plan
+
+
+def _decided(graph: Graph, tp: int, padding: str, pick: Optional[Pick], copies: bool, routed: frozenset[int],
+             sizes: dict[str, int]) -> Roles:
+    """``roles.decide``, kept with the graph for the next plan on a mesh with the same model and context axes
+    (a launcher prices several meshes on one trace; the context axis changes the blocks' prices); a copy of it
+    (not with ``pick``: a function may pick anything)."""
+    if pick is not None:
+        return decide(graph, tp, padding, pick, copies=copies, routed=routed, sizes=sizes)
+    key = ("roles", tp, padding, copies, routed, tuple((a, sizes[a]) for a in sequence_axes(sizes)))
+    if key not in graph.derived:
+        graph.derived[key] = decide(graph, tp, padding, copies=copies, routed=routed, sizes=sizes)
+    return graph.derived[key].copy()
 
 
 def _require_optimum(model: nn.Module, plan: Plan) -> None:

@@ -92,6 +92,12 @@ class Roles:
     natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
     # weight is an embedding in one module and an output head in another)
 
+    def copy(self) -> "Roles":
+        """A copy with containers of its own (planners set entries; a ``ParamRole`` is never changed)."""
+        return Roles(params=dict(self.params), groups=[list(g) for g in self.groups], blocks=list(self.blocks),
+                     choices=list(self.choices), prices=list(self.prices), whole_attention=list(self.whole_attention),
+                     sites=set(self.sites), natural=dict(self.natural))
+
     def set(self, weight: Value, role: ParamRole, module: Optional[str] = None) -> None:
         if module is not None and role.natural:
             self.natural[module] = role.natural
