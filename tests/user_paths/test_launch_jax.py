@@ -126,6 +126,13 @@ def test_what_the_jax_path_refuses_is_one_line_and_status_2(capsys, args, messag
     assert err.startswith("xla-tp launch: ") and message in err and err.count("\n") == 1, err
 
 
+def test_the_fit_check_of_a_local_pod_names_its_processes(capsys):
+    """``--hosts 2 --dry-run``: the header counts the processes the run would start, not torch_xla's one."""
+    assert cli.main(["launch", "tiny-llama-cpu", "--backend", "jax", "--hosts", "2", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "process 0 of 2" in out.splitlines()[0] and "dry run: the model stayed on meta" in out
+
+
 def test_print_commands_for_a_jax_pod(capsys):
     """Each host is told the coordinator, the process count and its own index."""
     assert cli.main(["launch", "tiny-llama-cpu", "--topology", "v5e-16", "--backend", "jax", "--print-commands",

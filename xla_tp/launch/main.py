@@ -137,7 +137,8 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _fit_check(args: argparse.Namespace, recipe: Recipe, topology: Topology, axes: dict[str, int],
-               run_dir: Optional[Path], jax: bool = False, process_index: Optional[int] = None) -> tuple[Any, Any, int]:
+               run_dir: Optional[Path], jax: bool = False, process_index: Optional[int] = None,
+               process_count: Optional[int] = None) -> tuple[Any, Any, int]:
     """Steps 3-6: an earlier run's files, the environment, (torch_xla's compilation cache,) the plan and the fit
     check; ``(session, cache, 0)`` for a run to go on, ``(None, None, status)`` when it stops here. With ``jax``,
     torch_xla only plans, on the slice's chips emulated on the CPU, and keeps no cache."""
@@ -151,7 +152,7 @@ def _fit_check(args: argparse.Namespace, recipe: Recipe, topology: Topology, axe
         from .. import processes
         with one_line_warnings("launch"):
             cache = cache_from_args(args, (run_dir or RUNS) / "xla_cache", processes.index())
-    session = Session(recipe, topology, axes, process_index)
+    session = Session(recipe, topology, axes, process_index, process_count)
     if not args.dry_run and args.overwrite and session.process_index == 0:
         for line in earlier.move_aside():
             session.say(line)
@@ -201,7 +202,8 @@ def _launch_jax(args: argparse.Namespace, recipe_arg: str, overrides: list[str],
         join(args.coordinator, args.num_processes, index)
     if args.checked:
         return train_jax(recipe, topology, axes, run_dir, index, audit=not args.no_audit)
-    session, _, status = _fit_check(args, recipe, topology, axes, run_dir, jax=True, process_index=index)
+    session, _, status = _fit_check(args, recipe, topology, axes, run_dir, jax=True, process_index=index,
+                                    process_count=args.num_processes or args.hosts)
     if session is None:
         return status
     if args.hosts == 1:

@@ -47,7 +47,8 @@ RUNS = Path("runs")                    # default run directories: runs/RECIPE-TI
 
 
 class Session:
-    def __init__(self, recipe: Recipe, topology: Topology, axes: dict[str, int], process_index: Optional[int] = None):
+    def __init__(self, recipe: Recipe, topology: Topology, axes: dict[str, int], process_index: Optional[int] = None,
+                 process_count: Optional[int] = None):
         self.recipe, self.topology, self.axes = recipe, topology, axes
         self.config = hf_config(recipe.model, recipe.path)
         self.config.use_cache = False          # training: no KV cache in the program
@@ -63,6 +64,7 @@ class Session:
         if topology.slices > 1 and xr.device_type() == "TPU":    # the slices' devices, data over DCN
             self.mesh = hybrid_mesh(axes, topology.slices)
         self.process_index = processes.index() if process_index is None else process_index
+        self.process_count = processes.count() if process_count is None else process_count
         self.reporter = Reporter(None, self.process_index)
 
     def say(self, text: str = "") -> None:
@@ -78,7 +80,7 @@ class Session:
         active = active_parameters(meta, self.shape)
         slices = f", {t.slices} slices: data={self.axes.get('data', 1)} over DCN" if t.slices > 1 else ""
         self.say(f"xla-tp launch {r.name}: {t.name} ({t.chips} chips, {t.hosts} host(s){slices}), mesh "
-                 f"{_axes(self.axes)}, process {self.process_index} of {processes.count()}")
+                 f"{_axes(self.axes)}, process {self.process_index} of {self.process_count}")
         self.say(f"model: {type(meta).__name__} from {type(self.config).__name__}, {n_params / 1e6:,.1f} M "
                  f"parameters{f' ({active / 1e6:,.1f} M active per token)' if active != n_params else ''} on meta, {r.precision}; plan {r.plan if isinstance(r.plan, str) else 'inline'} "
                  f"({planned.source}); global batch {r.batch} x {r.seq_len} tokens\n")
