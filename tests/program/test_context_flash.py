@@ -70,6 +70,16 @@ def _run(model: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict, s
     return out.cpu(), grads, hlo
 
 
+def _assert_matches_cpu(ref, x, out, grads):
+    """``out`` and ``grads`` (``_run``'s) equal the CPU module's output and gradients on ``x`` (1e-4)."""
+    xc = x.clone().requires_grad_()
+    want = ref(xc)
+    (want * x.flip(-1)).sum().backward()
+    assert (out - want).abs().max() < 1e-4
+    assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()) < 1e-4
+    assert (grads["x"] - xc.grad).abs().max() < 1e-4
+
+
 @pytest.mark.parametrize("kv_heads,causal", [(2, True), *(pytest.param(*c, marks=pytest.mark.complete)
                                                           for c in ((4, True), (1, True), (4, False)))])
 def test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward(kernel_calls, kv_heads, causal):
@@ -82,12 +92,7 @@ def test_splash_per_context_block_equals_cpu_sdpa_forward_and_backward(kernel_ca
     assert (blocks.seq, blocks.heads, blocks.block_q, blocks.block_kv) == ("context", "model", 128, 512)
     # grouped keys and values stay grouped where their heads divide the model axis, else they are repeated
     assert blocks.kv_heads == ("model" if kv_heads % 2 == 0 else None)
-    xc = x.clone().requires_grad_()
-    want = ref(xc)
-    (want * x.flip(-1)).sum().backward()
-    assert (out - want).abs().max() < 1e-4
-    assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()) < 1e-4
-    assert (grads["x"] - xc.grad).abs().max() < 1e-4
+    _assert_matches_cpu(ref, x, out, grads)
     # the queries stay split: what crosses devices is the keys and values, gathered over the context axis (one
     # key/value head's projection split over the model axis is gathered first, as on the einsum route)
     kv = kv_heads // 2 if kv_heads % 2 == 0 else kv_heads  # per device (in the compiler's order of dimensions)
@@ -241,12 +246,7 @@ def test_mirrored_chunks_equal_cpu_sdpa_forward_and_backward(kernel_calls, kv_he
     x = torch.randn(2, 1024, 64)
     out, grads, hlo = _run(model, x)
     assert [(b.mirrored, b.block_q) for b in kernel_calls] == [(True, 128)]
-    xc = x.clone().requires_grad_()
-    want = ref(xc)
-    (want * x.flip(-1)).sum().backward()
-    assert (out - want).abs().max() < 1e-4
-    assert max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()) < 1e-4
-    assert (grads["x"] - xc.grad).abs().max() < 1e-4
+    _assert_matches_cpu(ref, x, out, grads)
     # the forward adds four collective-permutes of a half query block per device (two chunks in, two out)
     assert sorted(tuple(sorted(s)) for s in _permuted(hlo)) == [(2, 2, 16, 128)] * 4
     assert set(collectives_of(hlo)) == {"all-gather", "all-reduce", "collective-permute"}

@@ -42,7 +42,7 @@ def use_flash_attention(enabled: bool = True, interpret: bool = False, balance: 
     ``flash_attention``, or under a context split the splash kernel per query block (``context_flash``).
     ``interpret`` (for tests) runs the latter in Pallas' interpreter, on any device. ``balance`` (the
     default) runs a causal call there on two mirrored chunks per device, so each computes as many blocks
-    (four collective-permutes of queries and outputs per layer forward, six backward); ``False`` keeps
+    (four collective-permutes of queries and outputs per layer forward, four more backward); ``False`` keeps
     each device's contiguous queries."""
     _FLASH["enabled"], _FLASH["interpret"], _FLASH["balance"] = bool(enabled), bool(interpret), bool(balance)
 
