@@ -3,8 +3,9 @@
 Each family is built tiny (``xla_tp.zoo.registry``, hidden 64, 2 layers) on a 2x4 (data x model)
 mesh. Route ``a_xla_tp`` is ``parallelize_xla(model, "auto")``; route ``b_hand_mark_sharding`` is the
 family's published ``tp_plan`` (transformers' ``base_model_tp_plan``) applied with one
-``mark_sharding`` per weight, what people write today; families that publish no plan get a row
-saying so. Metrics come from the forward audit, as in every other row. Example::
+``mark_sharding`` per weight, what people write today; for families that publish no plan, the plan a
+user would write by hand (``HAND_PLANS``: Megatron's column/row pairs on the obvious projections).
+Metrics come from the forward audit, as in every other row. Example::
 
     rows = family_rows(xla_tp.make_mesh(data=2, model=4))
 """
@@ -26,8 +27,17 @@ from .plans import hand_apply, plan_layout
 from .routes import mesh_name
 
 FAMILIES = ("mistral", "qwen2", "gemma2", "phi3", "gpt_neox", "falcon", "mpt", "gptj", "starcoder2", "opt",
-            "t5_encoder", "cuda_llama")
-KV_HEADS = {"falcon": 4, "mistral": 2}
+            "t5_encoder", "cuda_llama", "torch_encoder", "llama4", "mamba2", "qwen3_next", "gemma3n")
+KV_HEADS = {"falcon": 4, "mistral": 2, "llama4": 4, "qwen3_next": 4, "gemma3n": 4}
+HAND_PLANS = {  # what a user writes for a family that publishes no tp_plan
+    "falcon": {"transformer.word_embeddings": "embedding_rowwise",
+               "transformer.h.*.self_attention.query_key_value": "colwise",
+               "transformer.h.*.self_attention.dense": "rowwise", "transformer.h.*.mlp.dense_h_to_4h": "colwise",
+               "transformer.h.*.mlp.dense_4h_to_h": "rowwise"},
+    "mamba2": {"backbone.embeddings": "embedding_rowwise", "backbone.layers.*.mixer.in_proj": "colwise",
+               "backbone.layers.*.mixer.out_proj": "rowwise", "lm_head": "colwise_gather_output"},
+    "torch_encoder": {"layers.*.linear1": "colwise", "layers.*.linear2": "rowwise"},
+}
 
 
 def family_rows(mesh: Any, families: tuple[str, ...] = FAMILIES) -> list[dict]:
@@ -36,17 +46,19 @@ def family_rows(mesh: Any, families: tuple[str, ...] = FAMILIES) -> list[dict]:
     for family in families:
         torch.manual_seed(0)
         plan = hf_plan(registry.build(family))
+        written = "HF tp_plan" if plan else "hand-written plan"
+        plan = plan or HAND_PLANS.get(family, {})
         unsharded: dict = {}
         for route in ("a_xla_tp", "b_hand_mark_sharding"):
             row = {"route": route, "family": family, "width": registry.WIDTHS["tiny"], "mesh": mesh_name(mesh)}
             if route == "b_hand_mark_sharding" and not plan:
                 rows.append({**row, "status": "no published tp_plan to apply"})
                 continue
-            rows.append({**row, **_measure(family, route, plan, mesh, unsharded)})
+            rows.append({**row, **_measure(family, route, plan, mesh, unsharded, written)})
     return rows
 
 
-def _measure(family: str, route: str, plan: dict, mesh: Any, unsharded: dict) -> dict[str, Any]:
+def _measure(family: str, route: str, plan: dict, mesh: Any, unsharded: dict, written: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = registry.build(family, kv_heads=KV_HEADS.get(family, registry.HEADS))
     x = registry.example_input(family).to(torch_xla.device())
@@ -56,7 +68,7 @@ def _measure(family: str, route: str, plan: dict, mesh: Any, unsharded: dict) ->
             model = xla_tp.parallelize_xla(model, "auto", mesh=mesh)
             layout, how = layout_of(model), "auto"
         else:
-            layout, how = plan_layout(model, plan, mesh), "HF tp_plan, mark_sharding per weight"
+            layout, how = plan_layout(model, plan, mesh), f"{written}, mark_sharding per weight"
             model = hand_apply(model.to(torch_xla.device()), plan, mesh)
         args = registry.positional_args(model, x)
         if "flops" not in unsharded:

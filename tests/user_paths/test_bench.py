@@ -85,3 +85,24 @@ def _assert_matplotlib_png(out_dir: Path) -> None:
     assert "matplotlib" in image.info.get("Software", "").lower()
     assert len(image.convert("RGB").getcolors(1 << 20)) > 50  # bars in several colours, anti-aliased text
     assert f"]({CHART})" in (out_dir / "latest.md").read_text()
+
+
+
+def test_hand_written_plans_split_every_projection_they_name():
+    """The families table's hand route for a family without a published tp_plan: every key of its
+    hand-written plan names modules of the family's tiny model, and each of them has its weight split."""
+    from types import SimpleNamespace
+
+    from bench.families import HAND_PLANS
+    from bench.plans import plan_layout
+    from xla_tp.plan.hf import hf_plan
+    from xla_tp.plan.match import match_keys
+    from xla_tp.zoo.registry import build
+    mesh = SimpleNamespace(axis_names=("data", "model"), mesh_shape=(2, 4))
+    for family, plan in HAND_PLANS.items():
+        model = build(family)
+        assert not hf_plan(model), f"{family} publishes a tp_plan now: use it, drop the hand one"
+        found, unused = match_keys(list(plan), [n for n, _ in model.named_modules()])
+        assert found and not unused, (family, unused)
+        specs = plan_layout(model, plan, mesh).params
+        assert all("model" in specs[f"{name}.weight"] for name in found), (family, specs)

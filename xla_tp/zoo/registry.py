@@ -87,6 +87,24 @@ HF_FAMILIES: dict[str, tuple[str, str, Callable[[int, int, int], dict]]] = {
         dim=h, hidden_dim=2 * h, n_layers=n, n_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=POSITIONS)),
     "t5_encoder": ("T5Config", "t5_encoder", lambda h, kv, n: dict(
         d_model=h, d_kv=h // HEADS, d_ff=2 * h, num_layers=n, num_heads=HEADS, vocab_size=VOCAB)),
+    # the kinds of 2025-26: experts computed densely by a bmm, a state-space mixer, gated delta nets
+    # beside attention and routed experts, per-layer inputs with AltUp and LAuReL
+    "llama4": ("Llama4TextConfig", "causal", lambda h, kv, n: {
+        **_decoder(h, kv, n), "intermediate_size_mlp": 2 * h, "num_local_experts": 4, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1}),
+    "mamba2": ("Mamba2Config", "causal", lambda h, kv, n: dict(
+        hidden_size=h, num_hidden_layers=n, vocab_size=VOCAB, num_heads=HEADS, head_dim=2 * h // HEADS, expand=2,
+        n_groups=1, state_size=16, chunk_size=16, bos_token_id=0, eos_token_id=1, pad_token_id=None)),
+    "qwen3_next": ("Qwen3NextConfig", "causal", lambda h, kv, n: {
+        **_decoder(h, kv, n), "linear_num_value_heads": HEADS, "linear_num_key_heads": HEADS // 2,
+        "linear_key_head_dim": h // HEADS, "linear_value_head_dim": h // HEADS, "num_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": h // 2, "shared_expert_intermediate_size": h // 2,
+        "layer_types": ["linear_attention", "full_attention"] * (n // 2) + ["linear_attention"] * (n % 2)}),
+    "gemma3n": ("Gemma3nTextConfig", "causal", lambda h, kv, n: {
+        **_decoder(h, kv, n), "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": h // 4,
+        "laurel_rank": 8, "altup_num_inputs": 2, "num_kv_shared_layers": 0,
+        "layer_types": ["sliding_attention", "full_attention"] * (n // 2) + ["sliding_attention"] * (n % 2),
+        "activation_sparsity_pattern": [0.0] * n}),
 }
 _HEAD_CLASSES = {"causal": "AutoModelForCausalLM", "masked": "AutoModelForMaskedLM", "base": "AutoModel",
                  "t5_encoder": "T5EncoderModel"}
