@@ -41,6 +41,18 @@ BUILDERS = {
 }
 
 
+def tiny_llava(seed: int = 0) -> tuple[T.LlavaForConditionalGeneration, dict[str, torch.Tensor]]:
+    """A Llava (CLIP tower of ``VISION``, Llama of ``LLAMA``) in eval mode, and an image call by keyword: 4 images,
+    each taking the 16 placeholder tokens its 16 patches fill (CLS dropped), in 24 tokens."""
+    torch.manual_seed(seed)
+    image = LLAMA["vocab_size"] - 1
+    model = T.LlavaForConditionalGeneration(T.LlavaConfig(
+        vision_config=T.CLIPVisionConfig(**VISION), text_config=T.LlamaConfig(**LLAMA), image_token_id=image))
+    ids = torch.randint(4, image, (4, 24))
+    ids[:, 2:18] = image
+    return model.eval(), {"input_ids": ids, **_pixels()}
+
+
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """``(model in eval mode, its inputs by keyword)`` on the CPU, the same for a seed."""
     torch.manual_seed(seed)

@@ -107,6 +107,11 @@ EFFECTS: tuple[Effect, ...] = (
            "forward or in the user's loss code, outside any module that could own the call; inside a parallelized "
            "model, XLA tensors are counted by comparisons of static shape", replace("torch.histc", f"{_ENTRY}:histc")),
     Effect("tensor_histc", "torch.Tensor.histc", TORCH_XLA, "as histc", replace("torch.Tensor.histc", f"{_ENTRY}:histc")),
+    Effect("masked_scatter", "torch.Tensor.masked_scatter", TORCH_XLA,
+           "torch_xla lowers it through nonzero, whose dynamic shape GSPMD refuses on a batch split over devices; "
+           "multimodal models put image features in place with it in their own forward, reached only by an image "
+           "call: inside a parallelized model XLA tensors are placed in static shapes",
+           replace("torch.Tensor.masked_scatter", f"{_ENTRY}:masked_scatter")),
     Effect("dynamo_bridge", "torch_xla._dynamo.dynamo_bridge.extract_graph_helper", TORCH_XLA,
            "the bridge matches graph inputs by an id that SPMD re-stamps, so a compiled backward replays the "
            "first step's inputs; xla_tp matches them by device buffer",

@@ -11,7 +11,7 @@ from torch import nn
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
 from xla_tp.lowering import attention
-from xla_tp.lowering.entry import clamp_slices
+from xla_tp.lowering.entry import clamp_slices, placed
 
 from ..helpers import collective_counts, max_err
 
@@ -137,6 +137,25 @@ def test_out_of_range_slices_are_clamped_like_on_cpu():
     assert clamp_slices((Ellipsis, slice(-4095, None), slice(None)), (2, 16, 8)) == \
         (Ellipsis, slice(-16, None), slice(None))
     assert clamp_slices((slice(0, 4),), (8,)) is None
+
+
+@pytest.mark.parametrize("shape,mask_shape", [((4, 24, 16), (4, 24, 1)), ((4, 24, 16), (4, 24, 16)), ((3, 5), (3, 5)),
+                                              ((7,), (7,))])
+def test_placed_features_equal_masked_scatter_values_and_gradients(shape, mask_shape):
+    """The static-shape ``masked_scatter`` (image features put in place) on CPU tensors: values and both gradients,
+    with a mask broadcast over the features (as transformers passes it) or one per element, and a spare source."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(mask_shape, generator=g) > 0.4
+    count = int(mask.expand(shape).sum())
+    for spare in (0, 5):
+        x, src = torch.randn(shape, generator=g), torch.randn(count + spare, generator=g)
+        got, want = [(x.clone().requires_grad_(), src.clone().requires_grad_()) for _ in range(2)]
+        out_got, out_want = placed(got[0], mask, got[1]), want[0].masked_scatter(mask, want[1])
+        assert torch.equal(out_got, out_want)
+        weights = torch.randn(shape, generator=g)
+        (out_got * weights).sum().backward()
+        (out_want * weights).sum().backward()
+        assert torch.equal(got[0].grad, want[0].grad) and torch.equal(got[1].grad, want[1].grad)
 
 
 WINDOWED = {  # transformers' cache keeps a window of their keys: its update slices from -window + 1 on a short sequence

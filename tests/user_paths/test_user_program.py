@@ -27,11 +27,12 @@ from xla_tp import PlanError
 
 from .. import hf_tiny
 from ..fresh import run_fresh
-from ..hf_tiny import LLAMA
+from ..hf_tiny import LLAMA, VISION
 from ..helpers import max_err
 from ..hlo_count import collectives_of, matmul_flops
 
 DEVICE = torch_xla.device()
+VISION_LAYERS = VISION["num_hidden_layers"]
 
 
 @pytest.fixture(scope="module")
@@ -92,6 +93,34 @@ def test_the_users_call_splits_the_batch_and_the_audit_reads_its_program(name, h
     assert report.comm_ratio == pytest.approx(1.0) if name != "siglip_vision" else report.comm_ratio < 1.02
     with torch.no_grad():
         assert max_err(out.last_hidden_state.cpu(), cpu(**inputs).last_hidden_state) < 1e-4
+
+
+@pytest.mark.complete
+def test_a_vision_language_models_text_and_image_calls(mesh):
+    """Llava by "auto" with no example input: its trace is made with images, so the vision tower and projector
+    are split too; an image call by keyword computes what the CPU model does, every device its share (read from
+    the program); the image features put in place by the placeholder mask move once (one count per batch row
+    gathered, the features of images whose tokens another data shard holds: at most two moves), nothing else
+    beyond the layers' all-reduces. The tower's hidden states (transformers captures them with hooks, which the
+    trace keeps) are still returned."""
+    cpu, inputs = hf_tiny.tiny_llava()
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    specs = xla_tp.layout_of(model).params
+    assert "model" in specs["model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"], specs
+    assert "model" in specs["model.multi_modal_projector.linear_1.weight"], specs
+    for call in ({"input_ids": inputs["input_ids"][:, 18:]}, inputs):  # text, then images
+        out = model(**on_device(call))
+        text = partitioned(outputs(out))
+        with torch.no_grad():
+            assert max_err(out.logits.cpu(), cpu(**call).logits) < 1e-4, list(call)
+        assert balance_of(text, cpu, call) <= 1.10, list(call)
+        report = xla_tp.audit(model, mesh=mesh, **on_device(call))
+        assert_audit_reads_the_program(report, text)
+    found = collectives_of(text)  # the image call's
+    assert set(found) == {"all-reduce", "all-gather", "collective-permute"}, found
+    assert found["all-gather"] == (1, 4 * 4) and found["collective-permute"][0] <= 2, found
+    tower = model.model.vision_tower(pixel_values=inputs["pixel_values"].to(DEVICE), output_hidden_states=True)
+    assert len(tower.hidden_states) == 1 + VISION_LAYERS
 
 
 def test_an_input_sharded_by_the_user_keeps_its_split(mesh):

@@ -7,7 +7,10 @@ A Hugging Face model names its main input (``main_input_name``) and its config t
   (the config's, or its ``vision_config``'s);
 - ``input_features``: log-mel frames ``[2, num_mel_bins, frames]``; with ``max_source_positions``
   (Whisper), as many frames as the encoder's convolutions bring down to that many positions;
-- ``input_values``: raw audio ``[2, 1600]``.
+- ``input_values``: raw audio ``[2, 1600]``;
+- token ids and images for a model of tokens with a vision tower (``takes_images``): the images from its
+  ``vision_config``, so the tower is traced too (``trace`` falls back to tokens alone where the tower takes
+  another input, Qwen2-VL's flattened patches and grid).
 
 Encoder-decoder models (``is_encoder_decoder``) also get ``decoder_input_ids`` of their decoder
 start token. Any other module gets token ids if its first layer is an embedding, images if it is a
@@ -38,12 +41,15 @@ class MadeUpInputError(PlanError):
     """No input could be made up for the model, or the model does not run on the one made up."""
 
 
-def synthesize(model: nn.Module) -> tuple[tuple, dict[str, Any]]:
-    """``(args, kwargs)`` to trace ``model`` with (see the module docstring)."""
+def synthesize(model: nn.Module, images: bool = False) -> tuple[tuple, dict[str, Any]]:
+    """``(args, kwargs)`` to trace ``model`` with (see the module docstring); with ``images``, a model that
+    takes images beside its tokens (``takes_images``) gets them too."""
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
     if config is not None and isinstance(name, str):
         kwargs = {name: _main_input(model, config, name)}
+        if images and takes_images(model):
+            kwargs["pixel_values"] = _main_input(model, config.vision_config, "pixel_values")
         if getattr(config, "is_encoder_decoder", False) and _takes(model, "decoder_input_ids"):
             start = _first_int(config, "decoder_start_token_id", "pad_token_id", "bos_token_id")
             kwargs["decoder_input_ids"] = torch.full((BATCH, _seq(config)), start, dtype=torch.long)
@@ -65,6 +71,15 @@ def _main_input(model: nn.Module, config: Any, name: str) -> torch.Tensor:
         return torch.zeros(BATCH, SAMPLES)
     raise MadeUpInputError(f"{type(model).__name__}'s main input {name!r} is not one xla_tp can make up; pass "
                     f"example_inputs=(...) or call the parallelized model once (it is planned from that call)")
+
+
+def takes_images(model: nn.Module) -> bool:
+    """A model of tokens that also takes ``pixel_values`` for its vision tower (Llava, PaliGemma, Gemma 3):
+    a text call never reaches the tower, so "auto" traces one with images (their number of placeholder tokens
+    is a value, which a trace on fake tensors does not read)."""
+    config = getattr(model, "config", None)
+    return (getattr(model, "main_input_name", None) == "input_ids" and _takes(model, "pixel_values")
+            and getattr(config, "vision_config", None) is not None)
 
 
 def _frames(model: nn.Module, config: Any) -> int:

@@ -21,14 +21,15 @@ from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                          FakeTensorMode, unset_fake_temporarily)
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode, resolve_name
 from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import PlanError
 from .graph import Graph, Node, Value
-from .inputs import MadeUpInputError, synthesize
+from .inputs import MadeUpInputError, synthesize, takes_images
 from .positions import every_position
 from .repeats import Diverged, Span, call_key, structures
 from .routing import batched_experts
@@ -129,6 +130,9 @@ def _call(func: Any, name: str, args: tuple, kwargs: dict) -> Any:
         return torch.unravel_index(order, tuple(first.shape))
     if isinstance(first, torch.Tensor) and is_position_loop(name, args, kwargs, first.dim()):
         return every_position(first.shape[0])
+    if name == "_is_all_true" or name == "item" and not isinstance(first, FakeTensor):
+        with unset_fake_temporarily():  # a check of values (``torch._check_tensor_all``): the real call checks them
+            return torch.tensor(True) if name == "_is_all_true" else func(*args, **kwargs)
     if name == "histc" and isinstance(first, torch.Tensor) and not first.is_floating_point():
         return func(first.float(), *args[1:], **kwargs).to(first.dtype)
     return func(*args, **kwargs)
@@ -150,6 +154,12 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
     ``modes`` are entered around the forward, beneath the recorder (the lowering's own modes).
     ``repeats``: a stack's identical blocks are traced once and copied (``repeats``; not with ``swap``
     or ``modes``); False records every call (the same graph, slower)."""
+    if example_inputs is None and takes_images(model):
+        try:  # a vision tower reached only by an image call: traced with images where it takes them
+            args, made = synthesize(model, images=True)
+            return trace(model, args, {**made, **(example_kwargs or {})}, swap=swap, modes=modes, repeats=repeats)
+        except PlanError:
+            pass  # its images are not a plain [batch, channels, size, size]: tokens alone, the tower unplanned
     if repeats and swap is None and not modes:
         try:
             return _record(model, example_inputs, example_kwargs, swap, modes, structures(model))
@@ -297,15 +307,22 @@ _HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward
 @contextlib.contextmanager
 def _own_hooks_only(model: nn.Module) -> Iterator[None]:
     """The model's forward hooks (xla_tp's constraints, an audit's recorder, ...) set aside while it
-    is traced: the trace records the model's own computation, and nothing else sees the fake call."""
+    is traced: the trace records the model's own computation, and nothing else sees the fake call.
+    Transformers' output capture (``output_hidden_states``: a vision tower's features) is the model's
+    own and stays; hooks the model installs on itself during the call (that capture, once) are kept."""
     saved = [(mod, name, getattr(mod, name)) for mod in model.modules() for name in _HOOK_DICTS]
-    for mod, name, hooks in saved:
-        vars(mod)[name] = type(hooks)()  # not Module.__setattr__: a thousand modules, each checked
+    for mod, name, hooks in saved:  # not Module.__setattr__: a thousand modules, each checked
+        vars(mod)[name] = type(hooks)((k, h) for k, h in hooks.items() if _models_own(h))
     try:
         yield
     finally:
         for mod, name, hooks in saved:
+            hooks.update((k, h) for k, h in vars(mod)[name].items() if k not in hooks)
             vars(mod)[name] = hooks
+
+
+def _models_own(hook: Any) -> bool:
+    return getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
 
 
 @contextlib.contextmanager

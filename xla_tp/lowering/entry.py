@@ -22,10 +22,11 @@ as it is):
   (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do in the attention
   module), where the CPU clamps: retried clamped.
 
-Two rewrites stay process-wide effects (``compat``), each where no module owns the call: ``histc`` (XLA
+Three rewrites stay process-wide effects (``compat``), each where no module owns the call: ``histc`` (XLA
 has no histogram of integers; routers' auxiliary losses count expert choices with it in the model's own
-forward or in the user's loss) and ``keep_causal_mask`` (transformers reads the mask on the host before
-any attention module runs). Example::
+forward or in the user's loss), ``masked_scatter`` (multimodal models put image features in place with it
+in their own forward, reached only by an image call) and ``keep_causal_mask`` (transformers reads the mask
+on the host before any attention module runs). Example::
 
     with mode.active():                    # what an owner's hooks do around its forward
         F.scaled_dot_product_attention(q, k, v)    # inside a parallelized forward: two einsums
@@ -132,6 +133,33 @@ def histc(original: Callable[..., Any]) -> Callable[..., Any]:
         out = _histc(*args, **kwargs) if scope.inside() else NotImplemented
         return original(*args, **kwargs) if out is NotImplemented else out
     return counted
+
+
+def placed(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``x.masked_scatter(mask, source)`` in static shapes: the k-th True of ``mask`` (row-major) takes the
+    k-th element of ``source``. torch_xla lowers ``masked_scatter`` through ``nonzero``, whose dynamic shape
+    GSPMD refuses on a batch split over devices (multimodal models put image features in place this way).
+
+    >>> placed(torch.zeros(2, 3), torch.tensor([[True, False, True], [False, True, False]]), torch.arange(1., 4.))
+    tensor([[1., 0., 2.],
+            [0., 3., 0.]])
+    """
+    rows = mask.expand_as(x).reshape(x.shape[0] if x.dim() > 1 else 1, -1)  # a row per batch entry, kept split
+    within = rows.to(torch.int32).cumsum(1)
+    before = within[:, -1].cumsum(0) - within[:, -1]  # Trues of the rows before: one number per row moves
+    order = (within + before[:, None] - 1).clamp(0, max(source.numel() - 1, 0))
+    return torch.where(rows, source.reshape(-1)[order].to(x.dtype), x.reshape(rows.shape)).view(x.shape)
+
+
+def masked_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Tensor.masked_scatter`` (a ``compat`` effect): inside a parallelized model, XLA tensors placed in
+    static shapes (``placed``); anywhere else the original."""
+    @functools.wraps(original)
+    def scattered(x: Any, mask: Any, source: Any) -> Any:
+        if scope.inside() and _is_xla(x) and source.numel() > 0:
+            return placed(x, mask, source)
+        return original(x, mask, source)
+    return scattered
 
 
 def _projected(y: torch.Tensor, packing: Optional[packed.Packing], out_dim: int) -> torch.Tensor:
