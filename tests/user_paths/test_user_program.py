@@ -116,6 +116,7 @@ def test_a_vision_language_models_text_and_image_calls(mesh):
         assert balance_of(text, cpu, call) <= 1.10, list(call)
         report = xla_tp.audit(model, mesh=mesh, **on_device(call))
         assert_audit_reads_the_program(report, text)
+        assert report.param_memory_ratio <= 1.15, list(call)  # the language model's key/value heads split too
     found = collectives_of(text)  # the image call's
     assert set(found) == {"all-reduce", "all-gather", "collective-permute"}, found
     assert found["all-gather"] == (1, 4 * 4) and found["collective-permute"][0] <= 2, found

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -109,16 +109,28 @@ def _first_int(config: Any, *names: str) -> int:
     return next((v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)), 0)
 
 
-def _takes(model: nn.Module, name: str) -> bool:
+def _parameters(model: nn.Module) -> Mapping[str, inspect.Parameter]:
     try:
-        return name in inspect.signature(type(model).forward).parameters
+        return inspect.signature(type(model).forward).parameters
     except (TypeError, ValueError):
-        return False
+        return {}
+
+
+def _takes(model: nn.Module, name: str) -> bool:
+    return name in _parameters(model)
+
+
+def _passes_keywords(model: nn.Module) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in _parameters(model).values())
 
 
 def default_kwargs(model: nn.Module) -> dict[str, Any]:
-    """``use_cache=False`` for models whose forward takes it (no KV cache in a planning trace)."""
-    takes = _takes(model, "use_cache") or hasattr(getattr(model, "config", None), "use_cache")
+    """``use_cache=False`` for models whose forward takes it (no KV cache in a planning trace): by name, by
+    their config's, or by their text config's when the forward passes its keywords on (a vision-language
+    model's language model)."""
+    config = getattr(model, "config", None)
+    takes = _takes(model, "use_cache") or hasattr(config, "use_cache") or (
+        hasattr(getattr(config, "text_config", None), "use_cache") and _passes_keywords(model))
     return {"use_cache": False} if takes else {}
 
 
