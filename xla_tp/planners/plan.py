@@ -112,14 +112,17 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     kinds = {r.kind for r in params.values()}
     kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN, Role.EXPERTS) if k in kinds)
     if natural is None:
-        natural = "partial" if any(r.natural == "partial" for r in params.values()) else "shard"
+        natural = next((n for n in ("partial", "rows") if any(r.natural == n for r in params.values())), "shard")
     if kind in (Role.VOCAB, Role.HEAD):
         kind = Role.HEAD if natural == "shard" else Role.VOCAB
     # an output head's logits are held split (and their gradient): a compiler left to choose may
     # compute part of the head's backward whole (measured with JAX's partitioner)
     outputs = ((Shard(-1),),) if kind == Role.HEAD else ()
-    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text,
-                        Partial() if natural == "partial" else Shard(-1), outputs, input_grad=kind == Role.EXPERTS)
+    # "rows": stacked experts split by experts emit their experts' rows of a [E * tokens, ...] output (the sum
+    # over the experts, after them, is the reduction); a routed layer's own math contracts its split input back
+    placement = {"partial": Partial(), "rows": Shard(0)}.get(natural, Shard(-1))
+    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text, placement, outputs,
+                        input_grad=kind == Role.EXPERTS and natural == "partial")
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:
