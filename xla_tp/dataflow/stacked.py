@@ -7,7 +7,7 @@ expert's router score), viewed as ``[E, T, H]``, contracted batched over ``E`` w
 is two contractions, in one module, of a 3-D parameter whose dimension 0 is a batch dimension shared with
 the leading dimension of the other operand (the expert dimension), and a ``sum`` over a leading
 dimension of ``E`` after the second one (through views only). Each such layer is a ``StackedLayer``;
-``repeats`` names the module whose forward repeats the tokens (``x.repeat(E, 1)``), if one does.
+``repeats`` names the module whose forward repeats the tokens (``x.repeat(E, 1)``; None: none does).
 Weights selected by a router's top-k (``w[ids]``) are ``routing``'s. Example:
 
 >>> from transformers import Llama4ForCausalLM, Llama4TextConfig
@@ -35,11 +35,11 @@ _DEPTH = 8  # ops walked between the tokens' repeat and the contraction, or the 
 @dataclass
 class StackedLayer:
     """One layer of stacked experts: the module contracting the weights, its two weights in call order
-    (``[E, ...]``: ``expert_dim`` 0), and the module repeating the tokens (``""``: none found)."""
+    (``[E, ...]``: ``expert_dim`` 0), and the module repeating the tokens (None: none found)."""
 
     module: str
     weights: list[ExpertWeight]
-    repeats: str = ""
+    repeats: Optional[str] = None
 
     @property
     def experts(self) -> int:
@@ -93,20 +93,20 @@ def _summed(out: Value, experts: int) -> bool:
     return False
 
 
-def _repeater(tokens: Value) -> str:
+def _repeater(tokens: Value) -> Optional[str]:
     """The module whose ``repeat`` made ``tokens`` (through views and element-wise ops keeping its size)."""
     v: Optional[Value] = tokens
     for _ in range(_DEPTH):
         node = v.producer if v is not None else None
         if node is None:
-            return ""
+            return None
         if node.op == "repeat":
             return node.module
         if node.op not in VIEWS and node.op not in POINTWISE:
-            return ""
+            return None
         size = _numel(v)
         v = next((t for t in node.tensors if t.dynamic and _numel(t) == size), None)
-    return ""
+    return None
 
 
 def _numel(v: Value) -> int:

@@ -80,7 +80,7 @@ def find_owners(root: nn.Module, graph: Optional[Graph], selection_sites: tuple[
     modules = dict(root.named_modules(remove_duplicate=False))
     kinds: dict[str, set[str]] = {fqn: {"expert picks"} for fqn in selection_sites}
     for layer in find_stacked(graph):
-        if layer.repeats and _split(root.get_parameter(layer.weights[0].param.name)):
+        if layer.repeats is not None and _split(root.get_parameter(layer.weights[0].param.name)):
             kinds.setdefault(layer.repeats, set()).add("stacked experts' tokens")
     for node in graph.nodes:
         if node.op in ATTENTION_OPS or _attention_matmul(node):
