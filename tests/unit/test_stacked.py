@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor.placement_types import Partial
 
 from xla_tp.dataflow.stacked import find_stacked
 from xla_tp.dataflow.trace import trace
@@ -30,7 +31,7 @@ class Stacked(nn.Module):
 
 def test_found_by_what_its_tensors_do():
     (layer,) = find_stacked(trace(Stacked(), (torch.randn(6, 8),)))
-    assert (layer.module, layer.repeats, layer.experts) == ("", "", 4)
+    assert (layer.module, layer.repeats, layer.sums, layer.experts) == ("", "", "", 4)
     assert [(w.param.name, w.contracted, w.kept) for w in layer.weights] == [("a", 1, 2), ("b", 1, 2)]
 
 
@@ -41,6 +42,7 @@ def test_not_stacked_experts_without_the_sum_over_them():
 def test_split_by_experts_where_the_model_axis_divides_them():
     plan = plan_for(Stacked(), {"model": 4}, example_inputs=(torch.randn(6, 8),))
     assert plan.roles["a"].axes == plan.roles["b"].axes == ("experts", None, None)
+    assert plan[""].natural_output == Partial()  # its own forward sums the experts: a partial sum, one all-reduce
     with pytest.warns(UserWarning, match="found nothing to split"):
         odd = plan_for(Stacked(experts=6), {"model": 4}, example_inputs=(torch.randn(6, 8),))
         asked = plan_for(Stacked(), {"model": 4}, example_inputs=(torch.randn(6, 8),), experts="replicated")

@@ -15,8 +15,10 @@ Weights selected by a router's top-k (``w[ids]``) are ``routing``'s. Example:
 >>> cfg = Llama4TextConfig(hidden_size=16, intermediate_size=8, intermediate_size_mlp=16, num_hidden_layers=1,
 ...                        num_attention_heads=2, num_key_value_heads=2, head_dim=8, vocab_size=32, num_local_experts=4)
 >>> (layer,) = find_stacked(trace(Llama4ForCausalLM(cfg)))
->>> layer.module, layer.repeats, [(w.param.name.rpartition(".")[2], w.contracted, w.kept) for w in layer.weights]
-('model.layers.0.feed_forward.experts', 'model.layers.0.feed_forward', [('gate_up_proj', 1, 2), ('down_proj', 1, 2)])
+>>> layer.module, layer.repeats, layer.sums
+('model.layers.0.feed_forward.experts', 'model.layers.0.feed_forward', 'model.layers.0.feed_forward')
+>>> [(w.param.name.rpartition(".")[2], w.contracted, w.kept) for w in layer.weights]
+[('gate_up_proj', 1, 2), ('down_proj', 1, 2)]
 """
 from __future__ import annotations
 
@@ -35,11 +37,13 @@ _DEPTH = 8  # ops walked between the tokens' repeat and the contraction, or the 
 @dataclass
 class StackedLayer:
     """One layer of stacked experts: the module contracting the weights, its two weights in call order
-    (``[E, ...]``: ``expert_dim`` 0), and the module repeating the tokens (None: none found)."""
+    (``[E, ...]``: ``expert_dim`` 0), the module repeating the tokens (None: none found) and the one summing
+    their outputs over the experts."""
 
     module: str
     weights: list[ExpertWeight]
     repeats: Optional[str] = None
+    sums: str = ""  # the module whose forward sums the experts' outputs
 
     @property
     def experts(self) -> int:
@@ -59,8 +63,9 @@ def find_stacked(graph: Graph) -> list[StackedLayer]:
         if len(uses) != 2 or uses[0][0].param.shape[0] != uses[1][0].param.shape[0]:
             continue
         (up, tokens, _), (down, _, out) = uses
-        if _summed(out, up.param.shape[0]):
-            layers.append(StackedLayer(module, [up, down], _repeater(tokens)))
+        sums = _summed(out, up.param.shape[0])
+        if sums is not None:
+            layers.append(StackedLayer(module, [up, down], _repeater(tokens), sums))
     return layers
 
 
@@ -80,17 +85,17 @@ def _batched_use(spec: Contraction) -> Optional[tuple[ExpertWeight, Value]]:
     return None
 
 
-def _summed(out: Value, experts: int) -> bool:
-    """Whether ``out`` (through views) is summed over a leading dimension of ``experts``."""
+def _summed(out: Value, experts: int) -> Optional[str]:
+    """The module summing ``out`` (through views) over a leading dimension of ``experts``; None if none does."""
     work = [(out, 0)]
     while work:
         v, depth = work.pop()
         for node, _ in v.consumers:
             if node.op == "sum" and v.shape[:1] == (experts,) and node.arg(1, "dim") in (0, (0,), [0]):
-                return True
+                return node.module
             if node.op in VIEWS and depth < _DEPTH:
                 work += [(o, depth + 1) for o in node.outputs]
-    return False
+    return None
 
 
 def _repeater(tokens: Value) -> Optional[str]:

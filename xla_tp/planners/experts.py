@@ -44,6 +44,7 @@ from ..errors import PlanError
 from ..plan.packing import Packing
 from .roles import ParamRole, Roles
 
+SUMS = "sums"  # ``Roles.natural`` of a module summing split stacked experts' outputs: a partial sum
 EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL, REPLICATED = "expert-parallel", "expert-tensor-parallel", "replicated"
 LAYOUTS = (EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL, REPLICATED)
 
@@ -117,9 +118,9 @@ def assign(roles: Roles, found: ExpertsFound, tp: int, layout: Optional[str] = N
 
 def assign_stacked(roles: Roles, layers: list[StackedLayer], tp: int, layout: Optional[str] = None) -> None:
     """Stacked experts every token runs through (``dataflow.stacked``: Llama 4's), split by experts where
-    the model axis divides them: each device computes its ``E/N`` experts for all its tokens, and the sum
-    over the experts is a partial sum, reduced once as a row-parallel layer's output (with the shared
-    expert's, where the two are added before it). ``layout="replicated"`` keeps them whole."""
+    the model axis divides them: each device computes its ``E/N`` experts for all its tokens, and the module
+    summing them over the experts emits a partial sum (``SUMS``; the experts' own module, when it sums them),
+    reduced once as a row-parallel layer's output. ``layout="replicated"`` keeps them whole."""
     for layer in layers:
         experts = layer.experts
         if layout == REPLICATED:
@@ -134,6 +135,10 @@ def assign_stacked(roles: Roles, layers: list[StackedLayer], tp: int, layout: Op
             kind, natural = "replicated", ""
             why = (f"stacked experts computed for every token: their {experts} experts do not split {tp} ways "
                    f"(a split of their features is not planned for them), computed whole on every device")
+        if kind == "experts" and layer.sums == layer.module:
+            natural = "partial"  # the experts' own module sums them: its output is the partial sum
+        elif kind == "experts":
+            roles.natural[layer.sums] = SUMS  # the module summing them emits the partial sum (``build_plan``)
         for weight in layer.weights:
             axes = ("experts",) + (None,) * (len(weight.param.shape) - 1) if kind == "experts" \
                 else (None,) * len(weight.param.shape)

@@ -29,6 +29,7 @@ from ..dataflow.graph import Graph
 from ..errors import PlanError
 from ..plan.explain import explain
 from ..plan.packing import Packing
+from .experts import SUMS
 from .logical import LogicalStyle
 from .alternatives import Choice
 from .prices import Price
@@ -98,6 +99,9 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
         if role is not None and role.packing is not None:
             plan.packings[group[0]] = role.packing
     styles = {fqn: _style(params, roles.natural.get(fqn)) for fqn, params in by_module.items()}
+    for fqn, natural in roles.natural.items():  # a module whose own math sums split stacked experts
+        if natural == SUMS and fqn not in styles:
+            styles[fqn] = LogicalStyle({}, "sums split stacked experts (a partial sum)", Partial())
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.slicers = frozenset(roles.sites)
     plan.graph = graph
