@@ -18,6 +18,8 @@ as it is):
   own slicing (``mode``);
 - ``where``, ``nonzero``: an expert's tokens chosen by value in an MoE module that loops over its
   experts: a static number of positions (``selection``);
+- ``repeat`` along dimension 0: the tokens stacked experts are computed for, repeated once per expert
+  (``dataflow.stacked``), as a broadcast the partitioner keeps split (``owners``: the module repeating them);
 - ``getitem``: torch_xla 2.9 raises ``Value out of range`` for a slice bound past a dimension
   (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do in the attention
   module), where the CPU clamps: retried clamped.
@@ -214,6 +216,17 @@ def _getitem(self: torch.Tensor, index: Any) -> Any:
         return GETITEM(self, fixed)
 
 
+def _repeat(x: Any, *sizes: Any) -> Any:
+    """``x.repeat(n, 1, ...)`` (copies along dimension 0 only) as a broadcast and a reshape: the same values;
+    torch_xla lowers ``repeat`` to a concatenation, which GSPMD lays out with all-to-alls when the copies
+    are split over one axis and their rows over another (the tokens of stacked experts, ``dataflow.stacked``)."""
+    sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
+    if not _is_xla(x) or len(sizes) != x.dim() or x.dim() == 0 or any(int(s) != 1 for s in sizes[1:]):
+        return NotImplemented
+    n = int(sizes[0])
+    return x.unsqueeze(0).expand(n, *x.shape).reshape(n * x.shape[0], *x.shape[1:])
+
+
 def keep_causal_mask(original: Callable[..., Any]) -> Callable[..., Any]:
     """transformers' ``_ignore_causal_mask_sdpa``: False for XLA tensors (the mask is kept, as when
     tracing), without reading them; the same result either way, the mask being causal."""
@@ -248,7 +261,7 @@ HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
     F.linear: linear, torch.addmm: _addmm,
     torch.where: _when_lowering(selection.where),
     torch.nonzero: _when_lowering(selection.nonzero), torch.Tensor.nonzero: _when_lowering(selection.nonzero),
-    GETITEM: _getitem,
+    GETITEM: _getitem, torch.Tensor.repeat: _when_lowering(_repeat),
 }
 # the trace's names of the calls a module owns a rewrite for (``owners``)
 ATTENTION_OPS = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward", "layer_norm", "where",

@@ -3,7 +3,7 @@
 A module owns a rewrite when its own forward calls a torch function ``entry`` rewrites on what the
 rewrite concerns: attention (``scaled_dot_product_attention``, a 4-D ``matmul``, ``nn.MultiheadAttention``'s
 ``multi_head_attention_forward``), ``layer_norm``, an expert pick (``where``/``nonzero`` in a selection
-site), or a projection or lookup of a parameter xla_tp marked (a column group's member, a tied head, a
+site), the ``repeat`` of split stacked experts' tokens (``dataflow.stacked``), or a projection or lookup of a parameter xla_tp marked (a column group's member, a tied head, a
 re-laid packed weight, a vocabulary table). ``find_owners`` reads that from the model's trace (each call
 knows the innermost module that made it, and each module the one that called it). ``install`` gives each
 owner its rewrite the cheapest way that sees the call:
@@ -34,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..dataflow.graph import Graph, Node
-from ..state import ModelState, all_states, param_state
+from ..dataflow.stacked import find_stacked
+from ..state import ModelState, all_states, param_state, record_of
 from . import context, scope
 from ..weak import ByModule
 from .embedding import lookup
@@ -58,6 +59,12 @@ def _owned_weight(node: Node, params: Mapping[str, nn.Parameter]) -> bool:
     return False
 
 
+def _split(p: nn.Parameter) -> bool:
+    """Whether xla_tp laid ``p`` out over any mesh axis."""
+    record = record_of(p)
+    return record is not None and any(a is not None for a in record.spec)
+
+
 def _attention_matmul(node: Node) -> bool:
     return node.op == "matmul" and len(node.tensors) == 2 and all(len(v.shape) >= 4 for v in node.tensors)
 
@@ -72,6 +79,9 @@ def find_owners(root: nn.Module, graph: Optional[Graph], selection_sites: tuple[
     params = dict(root.named_parameters(remove_duplicate=False))
     modules = dict(root.named_modules(remove_duplicate=False))
     kinds: dict[str, set[str]] = {fqn: {"expert picks"} for fqn in selection_sites}
+    for layer in find_stacked(graph):
+        if layer.repeats is not None and _split(root.get_parameter(layer.weights[0].param.name)):
+            kinds.setdefault(layer.repeats, set()).add("stacked experts' tokens")
     for node in graph.nodes:
         if node.op in ATTENTION_OPS or _attention_matmul(node):
             kind = "norms" if node.op == "layer_norm" else "attention"

@@ -26,11 +26,12 @@ from torch import nn
 from ..axes import EXPERT, canonical_axis, sequence_axes, sizes_of
 from ..dataflow.graph import Graph
 from ..dataflow.routing import find_experts
+from ..dataflow.stacked import find_stacked
 from ..dataflow.trace import trace
 from ..errors import PlanError
 from .alternatives import Pick
 from .plan import Plan, build_plan
-from .experts import assign as assign_experts
+from .experts import assign as assign_experts, assign_stacked
 from .roles import Roles, decide
 
 PaddingCheck = Callable[..., str]  # why the model cannot run padded ("" if it can): ``lowering.padding``
@@ -76,13 +77,14 @@ def plan_for(model: nn.Module, mesh: Any = None, tp_axis: str = "model", *,
     tp = axis_size(mesh, tp_axis)
     ep = sizes_of(mesh).get(EXPERT, 1)
     graph = graph if graph is not None else trace(model, example_inputs, example_kwargs)
-    found = find_experts(graph)
+    found, stacked = find_experts(graph), find_stacked(graph)
     on_meta = any(p.is_meta for p in model.parameters())
     meta = "the model is on meta: its own init would fill the zero heads" if on_meta else ""
 
     def roles(padding: str) -> Roles:
         out = _decided(graph, tp, padding, pick, not on_meta, frozenset(found.nodes), sizes_of(mesh))
         assign_experts(out, found, tp, experts, ep)
+        assign_stacked(out, stacked, tp, experts)
         return out
 
     plan = build_plan(model, graph, roles(meta or ("" if check else "no check of the padded model was given")))

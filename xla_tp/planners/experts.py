@@ -39,10 +39,12 @@ from __future__ import annotations
 from typing import Optional
 
 from ..dataflow.routing import ExpertsFound, ExpertWeight
+from ..dataflow.stacked import StackedLayer
 from ..errors import PlanError
 from ..plan.packing import Packing
 from .roles import ParamRole, Roles
 
+SUMS = "sums"  # ``Roles.natural`` of a module summing split stacked experts' outputs: a partial sum
 EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL, REPLICATED = "expert-parallel", "expert-tensor-parallel", "replicated"
 LAYOUTS = (EXPERT_PARALLEL, EXPERT_TENSOR_PARALLEL, REPLICATED)
 
@@ -112,6 +114,35 @@ def assign(roles: Roles, found: ExpertsFound, tp: int, layout: Optional[str] = N
             roles.set(layer.router, ParamRole("replicated", (None,) * len(layer.router.shape),
                                               f"router of {layer.module}: its top-{layer.top_k} choice picks experts "
                                               f"on every device, so it is computed whole"))
+
+
+def assign_stacked(roles: Roles, layers: list[StackedLayer], tp: int, layout: Optional[str] = None) -> None:
+    """Stacked experts every token runs through (``dataflow.stacked``: Llama 4's), split by experts where
+    the model axis divides them: each device computes its ``E/N`` experts for all its tokens, and the module
+    summing them over the experts emits a partial sum (``SUMS``; the experts' own module, when it sums them),
+    reduced once as a row-parallel layer's output. ``layout="replicated"`` keeps them whole."""
+    for layer in layers:
+        experts = layer.experts
+        if layout == REPLICATED:
+            kind, natural, why = "replicated", "", "replicated, as asked (experts=...): computed whole on every device"
+        elif tp > 1 and experts % tp == 0:
+            kind, natural = "experts", "rows"
+            why = (f"expert-parallel: {experts} stacked experts, every one computed for every token, split {tp} "
+                   f"ways ({experts // tp} per device); their sum over the experts is a partial sum, reduced once "
+                   f"like a row-parallel layer's output (one all-reduce of [tokens, hidden], one more in the "
+                   f"backward)")
+        else:
+            kind, natural = "replicated", ""
+            why = (f"stacked experts computed for every token: their {experts} experts do not split {tp} ways "
+                   f"(a split of their features is not planned for them), computed whole on every device")
+        if kind == "experts" and layer.sums == layer.module:
+            natural = "partial"  # the experts' own module sums them: its output is the partial sum
+        elif kind == "experts":
+            roles.natural[layer.sums] = SUMS  # the module summing them emits the partial sum (``build_plan``)
+        for weight in layer.weights:
+            axes = ("experts",) + (None,) * (len(weight.param.shape) - 1) if kind == "experts" \
+                else (None,) * len(weight.param.shape)
+            roles.set(weight.param, ParamRole(kind, axes, why, natural), layer.module)
 
 
 def _on_model_axis(experts: int, inter: int, tp: int, layout: Optional[str], dispatched: bool) -> tuple[str, str]:

@@ -29,6 +29,7 @@ from ..dataflow.graph import Graph
 from ..errors import PlanError
 from ..plan.explain import explain
 from ..plan.packing import Packing
+from .experts import SUMS
 from .logical import LogicalStyle
 from .alternatives import Choice
 from .prices import Price
@@ -98,6 +99,9 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
         if role is not None and role.packing is not None:
             plan.packings[group[0]] = role.packing
     styles = {fqn: _style(params, roles.natural.get(fqn)) for fqn, params in by_module.items()}
+    for fqn, natural in roles.natural.items():  # a module whose own math sums split stacked experts
+        if natural == SUMS and fqn not in styles:
+            styles[fqn] = LogicalStyle({}, "sums split stacked experts (a partial sum)", Partial())
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.slicers = frozenset(roles.sites)
     plan.graph = graph
@@ -112,14 +116,17 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     kinds = {r.kind for r in params.values()}
     kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN, Role.EXPERTS) if k in kinds)
     if natural is None:
-        natural = "partial" if any(r.natural == "partial" for r in params.values()) else "shard"
+        natural = next((n for n in ("partial", "rows") if any(r.natural == n for r in params.values())), "shard")
     if kind in (Role.VOCAB, Role.HEAD):
         kind = Role.HEAD if natural == "shard" else Role.VOCAB
     # an output head's logits are held split (and their gradient): a compiler left to choose may
     # compute part of the head's backward whole (measured with JAX's partitioner)
     outputs = ((Shard(-1),),) if kind == Role.HEAD else ()
-    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text,
-                        Partial() if natural == "partial" else Shard(-1), outputs, input_grad=kind == Role.EXPERTS)
+    # "rows": stacked experts split by experts emit their experts' rows of a [E * tokens, ...] output (the sum
+    # over the experts, after them, is the reduction); a routed layer's own math contracts its split input back
+    placement = {"partial": Partial(), "rows": Shard(0)}.get(natural, Shard(-1))
+    return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text, placement, outputs,
+                        input_grad=kind == Role.EXPERTS and natural == "partial")
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:

@@ -69,7 +69,8 @@ class ParamRole:
     kind: Role
     axes: Axes
     why: str
-    natural: str = ""  # "shard" (column/head) or "partial" (row/vocab embedding): the module's own output
+    natural: str = ""  # "shard" (column/head), "partial" (row/vocab embedding) or "rows" (stacked experts split by
+    # experts: their rows of [E * tokens, ...]): the module's own output
     packing: Optional[Packing] = None
 
     def __post_init__(self) -> None:
