@@ -27,9 +27,11 @@ setup(
         # matplotlib: the bench chart; nbclient/nbformat/ipykernel: the notebook test
         # pytest-xdist: the suite runs on two workers; ruff: the linter the test command runs first
         # peft, trl, accelerate, datasets: the trainers people use (transformers' Trainer, TRL's SFTTrainer, LoRA)
+        # diffusers: diffusion transformers (SD3, PixArt, Flux) planned by "auto"
         "test": ["pytest", "pytest-xdist==3.8.0", "ruff==0.17.6", "transformers==5.23.0", "matplotlib", "jax==0.7.1",
                  "jaxlib==0.7.1", "torchax==0.0.13", "torchao==0.14.1", "nbclient==0.11.0", "nbformat==5.11.1",
-                 "ipykernel==7.4.0", "peft==0.18.1", "trl==1.16.0", "accelerate==1.15.0", "datasets==5.2.0"],
+                 "ipykernel==7.4.0", "peft==0.18.1", "trl==1.16.0", "accelerate==1.15.0", "datasets==5.2.0",
+                 "diffusers==0.42.0"],
     },
     entry_points={"console_scripts": ["xla-tp=xla_tp.cli:main"]},
 )

@@ -8,6 +8,7 @@ A Hugging Face model names its main input (``main_input_name``) and its config t
 - ``input_features``: log-mel frames ``[2, num_mel_bins, frames]``; with ``max_source_positions``
   (Whisper), as many frames as the encoder's convolutions bring down to that many positions;
 - ``input_values``: raw audio ``[2, 1600]``;
+- a diffusion transformer's latents, timestep and conditioning from its config (``denoisers``);
 - token ids and images for a model of tokens with a vision tower (``takes_images``): the images from its
   ``vision_config``, so the tower is traced too (``trace`` falls back to tokens alone where the tower takes
   another input, Qwen2-VL's flattened patches and grid).
@@ -33,6 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from ..errors import PlanError
+from .denoisers import denoiser_inputs, is_denoiser
 
 BATCH, SEQ, IMAGE, SAMPLES = 2, 8, 32, 1600
 
@@ -46,6 +48,8 @@ def synthesize(model: nn.Module, images: bool = False) -> tuple[tuple, dict[str,
     takes images beside its tokens (``takes_images``) gets them too."""
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
+    if is_denoiser(model, _parameters(model)):
+        return (), denoiser_inputs(model, _parameters(model))
     if config is not None and isinstance(name, str):
         kwargs = {name: _main_input(model, config, name)}
         if images and takes_images(model):
