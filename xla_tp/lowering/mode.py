@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import bmm, copies, packed, patchify, transposed
+from . import bmm, channels, copies, packed, patchify, transposed
 from .entry import GETITEM, HANDLERS as OWNED
 
 
@@ -68,6 +68,10 @@ class Lowering(TorchFunctionMode):
         packing = packed.tag_of(tensor)
         if _metadata(func):
             return func(*args, **kwargs)
+        if channels.follows(func, tensor):  # features moved off the last dim, as a convolution's channels
+            out = channels.follow(func, args, kwargs, tensor, packing)
+            if out is not NotImplemented:
+                return out
         if func in _RESHAPES:  # features split into the packing's blocks, then heads: read in place
             out = packed.blocks_view(tensor, packing, _view_shape(args, kwargs, tensor))
             if out is not None:
@@ -93,8 +97,14 @@ class Lowering(TorchFunctionMode):
             self.warned.add(name)
             warnings.warn(f"xla_tp: '{name}' uses a re-laid packed projection's whole output; it gets the original "
                           f"order back, which moves data between devices", stacklevel=3)
-        fixed = tuple(a if packed.tag_of(a) is None else packed.unpermute(a, packed.tag_of(a)) for a in args)
+        fixed = tuple(a if packed.tag_of(a) is None else _unpermuted(a) for a in args)
         return func(*fixed, **kwargs)
+
+
+def _unpermuted(t: torch.Tensor) -> torch.Tensor:
+    """A tagged ``t`` in the original order, wherever its features are (``channels.laid_dim``)."""
+    dim = channels.laid_dim(t)
+    return packed.unpermute(t.movedim(dim, -1), packed.tag_of(t)).movedim(-1, dim)
 
 
 _METADATA = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride", "element_size", "is_contiguous",

@@ -170,13 +170,26 @@ def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> 
             return None
         indices = range(starts[start], ends[stop] + 1)
         if any(i in packing.whole for i in indices):  # a copied block comes alone, with its copies
-            if len(indices) > 1:
-                return None
-            out.append(copied_block(block(y, packing, indices[0])))
+            out.append(copied_block(block(y, packing, indices[0])) if len(indices) == 1 else run(y, packing, indices))
             continue
         parts = [block(y, packing, i) for i in indices]
         out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
     return out
+
+
+def run(y: torch.Tensor, packing: Packing, indices: range) -> torch.Tensor:
+    """Blocks ``indices`` of a re-laid output ``y``, some copied, as one re-laid output of their own (each
+    device's parts side by side, tagged with the packing of just these blocks): Mamba2's ``[x | B | C]``, split
+    again after a convolution over its channels (``channels``)."""
+    tp, sizes = packing.tp, packing.sizes
+    offset = sum(sizes[:indices[0]]) // tp
+    n = sum(sizes[i] for i in indices) // tp
+    first = packing.blocks[indices[0]][0]
+    blocks = tuple((start - first, size) for start, size in packing.blocks[indices[0]:indices[-1] + 1])
+    whole = frozenset(i - indices[0] for i in indices if i in packing.whole)
+    padded = tuple(packing.padded[i] for i in indices) if packing.padded else ()
+    part = y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n].flatten(-2)
+    return tag(part, Packing(packing.dim, blocks, tp, padded, whole))
 
 
 def packed_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
