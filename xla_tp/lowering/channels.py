@@ -12,7 +12,7 @@ else it returns ``NotImplemented`` (the mode puts the original order back). Exam
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +82,30 @@ def _convolved(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packi
         return NotImplemented
     kernel = packed.Packing(0, packing.blocks, packing.tp, packing.padded, packing.whole)
     bound["weight"], bound["bias"] = copies.summed(weight, kernel), copies.summed(bias, kernel)
-    return tagged(func(**bound), packing, 1)
+    out = shifted(**bound) if func is F.conv1d else NotImplemented
+    return tagged(func(**bound) if out is NotImplemented else out, packing, 1)
 
 
-__all__ = ["follow", "follows", "laid_dim", "tagged"]
+def shifted(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, stride: Any = 1,
+            padding: Any = 0, dilation: Any = 1, groups: int = 1) -> Any:
+    """A depthwise ``conv1d`` as the sum of its kernel's shifted products (GSPMD gathers a batch split over the
+    data axis for a convolution's kernel gradient; products and sums reduce it as any weight's);
+    ``NotImplemented`` for a stride, a padding by name or a channel multiplier.
+
+    >>> x, w, b = torch.randn(2, 3, 7), torch.randn(3, 1, 4), torch.randn(3)
+    >>> torch.allclose(shifted(x, w, b, padding=3, groups=3), F.conv1d(x, w, b, padding=3, groups=3), atol=1e-6)
+    True
+    """
+    one = lambda v: v[0] if isinstance(v, (tuple, list)) and len(v) == 1 else v  # noqa: E731
+    stride, padding, dilation = one(stride), one(padding), one(dilation)
+    if stride != 1 or not isinstance(padding, int) or not isinstance(dilation, int) or weight.shape[1] != 1 \
+            or groups != input.shape[1] or weight.shape[0] != groups:
+        return NotImplemented
+    k = weight.shape[-1]
+    padded = F.pad(input, (padding, padding))
+    length = padded.shape[-1] - dilation * (k - 1)
+    out = sum(padded[..., i * dilation:i * dilation + length] * weight[:, 0, i, None] for i in range(k))
+    return out if bias is None else out + bias[:, None]
+
+
+__all__ = ["follow", "follows", "laid_dim", "shifted", "tagged"]
