@@ -234,7 +234,7 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
         what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
         packing = _padding(p.out_dims[0], blocks_of(r), ways, pad) if pad[0] else _packing(r, ways) if relaid else None
         _set_column(roles, p, "column", logical, f"column-parallel: {what} split {ways} ways, read by "
-                    f"{_row_names(rows)}{chosen}", packing=packing)
+                    f"{_row_names(rows)}{chosen}{_statistics(r)}", packing=packing)
         taken[p.node.index] = "column"
         covered |= r.attention
         if r.windows and relaid:
@@ -254,6 +254,14 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
             roles.set(bias, _replicated(bias, "bias of a row-parallel projection: added once, after the reduction"))
         taken[index] = "row"
     roles.groups.append([r.projection.name for r in split_regions])
+
+
+def _statistics(r: Region) -> str:
+    """What the statistics over ``r``'s split features cost (a gated norm's variance over all its heads)."""
+    if not r.reductions:
+        return ""
+    nodes = ", ".join(describe(n) for n in list(r.reductions.values())[:2])
+    return f"; {nodes} reduces over its split features: one small all-reduce of the statistic per token"
 
 
 def _counts_copies(r: Region) -> Optional[Node]:
@@ -310,7 +318,9 @@ def _row_bias(node: Node, weight: Value) -> Optional[Value]:
 def _granule_text(r: Region) -> str:
     unit = "heads" if r.attention else "blocks"
     blocks = _blocks(r)
-    packed = f" (packed blocks {[n for _, n in blocks]}, re-laid device-major)" if blocks else ""
+    copied = f"; blocks {[int(n) for _, n in sorted(r.copied)]} copied to every device: " \
+             f"{next(iter(r.copied.values()))}" if r.copied else ""
+    packed = f" (packed blocks {[n for _, n in blocks]}, re-laid device-major{copied})" if blocks else ""
     return f"{min(r.granules)} {unit}{packed}"
 
 
