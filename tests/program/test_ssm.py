@@ -46,3 +46,20 @@ def test_mamba2_splits_its_mixer_and_matches_the_cpu_model(groups):
     if groups == 1:  # B and C's rows copied on every device stay equal
         rows = model.backbone.layers[0].mixer.in_proj.weight.detach().cpu().view(4, 98, 64)[:, 64:96]
         assert max_err(rows, rows[:1].expand_as(rows)) == 0
+
+
+def test_bamba_splits_its_mamba_and_attention_layers():
+    """A hybrid stack (Bamba: Mamba2 mixers, attention, MLPs), called with its default cache: the mixer's
+    convolution state is cached in the re-laid order it was computed in."""
+    torch.manual_seed(0)
+    ref = transformers.BambaForCausalLM(transformers.BambaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=128, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_n_groups=1, mamba_d_state=16,
+        mamba_chunk_size=16, attn_layer_indices=[1]))
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    dev = ids.to(torch_xla.device())
+    report = xla_tp.audit(model, input_ids=dev, backward=False)
+    assert report.count("all-gather") == 0 and report.comm_ratio <= 1.10, report
+    assert report.compute_balance <= 1.15 and report.param_memory_ratio <= 1.15, report
+    assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4

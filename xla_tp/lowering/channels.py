@@ -50,6 +50,8 @@ def follows(func: Callable, t: torch.Tensor) -> bool:
 def follow(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: packed.Packing) -> Any:
     """``func`` on the tagged ``t`` (its first argument), its output tagged (see the module docstring)."""
     dim, rank = laid_dim(t), t.dim()
+    if func is torch.Tensor.copy_ and len(args) > 1 and args[1] is t and args[0].shape == t.shape:
+        return args[0].copy_(t)  # a cache's buffer made from these features (its shape): it keeps their layout
     if args[0] is not t:
         return NotImplemented
     if func in _MOVES:
