@@ -63,3 +63,20 @@ def test_bamba_splits_its_mamba_and_attention_layers():
     assert report.count("all-gather") == 0 and report.comm_ratio <= 1.10, report
     assert report.compute_balance <= 1.15 and report.param_memory_ratio <= 1.15, report
     assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
+
+
+def test_falcon_h1_scales_its_packed_projection_in_place():
+    """Falcon-H1 multiplies the packed in_proj output by one constant per feature (``mup_vector``): the constant
+    is re-laid like the output, nothing moves between devices."""
+    torch.manual_seed(0)
+    ref = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=8, vocab_size=128, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_n_groups=1,
+        mamba_d_state=16, mamba_chunk_size=16, mamba_d_ssm=128))
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    dev = ids.to(torch_xla.device())
+    report = xla_tp.audit(model, input_ids=dev, backward=False)
+    assert set(report.collectives) == {"all-reduce"} and report.comm_ratio <= 1.10, report
+    assert report.compute_balance <= 1.15 and report.param_memory_ratio <= 1.15, report
+    assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
