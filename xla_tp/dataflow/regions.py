@@ -30,6 +30,7 @@ from typing import Any, Optional
 from .contract import contraction
 from .graph import Copy, Graph, Node, Value
 from .ops import Step, step, trace_param
+from .partners import partners
 from .repeats import rename
 from .shapes import Factor, Features
 
@@ -103,6 +104,9 @@ class Region:
     row_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # row node -> block it reads
     copied: dict[tuple[Fraction, Fraction], str] = field(default_factory=dict)  # blocks every device copies, why
     granule_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # granule -> its block
+    # parameters applied one entry per split feature (``partners``): param index -> (param, its dim, block)
+    partners: dict[int, tuple[Value, int, tuple[Fraction, Fraction]]] = field(default_factory=dict)
+    reduction_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # reduction -> block
 
     @property
     def ok(self) -> bool:
@@ -155,6 +159,12 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
                 or len(was.consumers) != len(now.consumers) or not all(inside(n.index) for n, _ in was.consumers)
                 or not all(copy.holds(n.index) for n, _ in now.consumers)):
             return None
+    partners_of = {}
+    for param, dim, window in region.partners.values():
+        other = graph.params.get(rename(param.name, copy.source, copy.target))
+        if other is None:
+            return None
+        partners_of[other.index] = (other, dim, window)
     node = lambda n: graph.nodes[n.index + copy.node_shift]  # noqa: E731
     moved = lambda d: {i + copy.node_shift: v for i, v in d.items()}  # noqa: E731
     rows = {}
@@ -169,11 +179,13 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
         slicers={rename(m, copy.source, copy.target) for m in region.slicers},
         merges={rename(m, copy.source, copy.target) for m in region.merges}, ends=moved(region.ends),
         reductions={i + copy.node_shift: node(n) for i, n in region.reductions.items()},
-        row_windows=moved(region.row_windows), copied={}, granule_windows=dict(region.granule_windows))
+        row_windows=moved(region.row_windows), copied={}, granule_windows=dict(region.granule_windows),
+        partners=partners_of, reduction_windows=moved(region.reduction_windows))
 
 
-_ASSIGNED = ("values", "rows", "row_windows", "reductions")  # a dict entry set again takes the new item
-_FIRST = ("ends", "granules", "granule_windows")  # a dict entry set again keeps the first item
+_ASSIGNED = ("values", "rows", "row_windows", "reductions", "reduction_windows")  # a dict entry set again takes
+# the new item
+_FIRST = ("ends", "granules", "granule_windows", "partners")  # a dict entry set again keeps the first item
 _MEMBERS = ("windows", "attention", "slicers", "merges")  # a set's members
 
 
@@ -278,7 +290,8 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
             if is_attention(node):
                 change("attention", node.index)
             s = step(node, pos, feats)
-            if s.reduces and window != whole:  # a statistic over one block of a packed output: not a partial sum
+            if s.reduces and window != whole and not region.attention:  # a statistic over one block of a packed
+                # output with no heads between (a norm of one block of a residual stream's width): not a partial sum
                 s = Step(stop=f"reduces ({node.op}) over one block of a packed projection's split features")
             if s.stop and window != whole and copied(window, s.stop, node):
                 break  # a packed block that cannot stay split: every device gets a copy of it
@@ -293,7 +306,10 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
                 continue
             if s.reduces:
                 change("reductions", node.index, node)
+                change("reduction_windows", node.index, window)
                 continue
+            for param, dim in partners(node, pos, feats):
+                change("partners", param.index, (param, dim, window))
             for i, f in s.outputs:
                 out = node.outputs[i]
                 seen = region.values.get(out.index)
@@ -354,6 +370,10 @@ def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Nod
         del region.values[index]
     for size in [n for n, w in region.granule_windows.items() if inside(w)]:
         del region.granules[size], region.granule_windows[size]
+    for index in [i for i, (_, _, w) in region.partners.items() if inside(w)]:
+        del region.partners[index]
+    for index in [i for i, w in region.reduction_windows.items() if inside(w)]:
+        del region.reductions[index], region.reduction_windows[index]
     return True
 
 

@@ -27,14 +27,18 @@ import torch
 from .tags import Tag
 
 _KV = Tag("kv_copies")  # on a copied block as the model sees it: (copies as heads, the head dim)
+_PART = Tag("copies")  # on a copied block with no head dim: its copies ``[..., tp, n]``
 _MARK = 97  # a size no other dim has, to find where an index moves the head dim
 
 
 def copied_block(part: torch.Tensor) -> torch.Tensor:
-    """The block the model asked for (``[B, 1, S, D]``), from its copies ``part`` (``[B, 1, S, tp, D]``)."""
+    """The block the model asked for (``[B, 1, S, D]``), from its copies ``part`` (``[B, 1, S, tp, D]``); a block
+    with no head dim yet (Mamba2's ``B`` of one group, ``[B, S, N]``) keeps its copies for the view that adds it."""
     block = part.mean(-2)
     if part.dim() == 5 and part.shape[1] == 1:
         _tag(block, part.squeeze(1).movedim(-2, 1), 1)
+    else:
+        _PART.put(block, part)
     return block
 
 
@@ -78,9 +82,16 @@ def expand(x: torch.Tensor, *sizes: Any) -> Any:
 
 
 def reshape(x: torch.Tensor, *shape: Any) -> Any:
-    """The head dim merged with its repeats: the query heads' keys, each device's from its own copy."""
+    """The head dim merged with its repeats: the query heads' keys, each device's from its own copy; a unit
+    group dim put in front of a copied block's last dim (``B.view(b, s, 1, n)``): the copies as groups."""
     kv = _kv(x)
     shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
+    part = _PART.of(x)
+    if kv is None and part is not None:
+        out = x.reshape(shape)
+        if tuple(out.shape) == (*x.shape[:-1], 1, x.shape[-1]):
+            return _tag(out, part, x.dim() - 1)
+        return out
     if kv is None:
         return NotImplemented
     heads, dim = kv
@@ -97,6 +108,28 @@ def cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
     if not items or any(kv is None or kv[1] != kvs[0][1] for kv in kvs):
         return NotImplemented
     return _tag(torch.cat(items, dim, **kwargs), torch.cat([heads for heads, _ in kvs], dim), kvs[0][1])
+
+
+def _cast(method: Any) -> Any:
+    """``x.float()``, ``x.to(dtype)`` of a copied block: its copies cast too."""
+    def cast(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        kv = _kv(x)
+        if kv is None:
+            return NotImplemented
+        return _tag(method(x, *args, **kwargs), method(kv[0], *args, **kwargs), kv[1])
+    return cast
+
+
+def repeat_interleave(x: torch.Tensor, repeats: Any = None, dim: Any = None, **kwargs: Any) -> Any:
+    """Each group repeated for its heads (Mamba2's ``B.repeat_interleave(heads // groups, dim=2)``) from the
+    copies of one group: each device's heads from its own copy, nothing moved."""
+    kv = _kv(x)
+    repeats, dim = kwargs.get("repeats", repeats), kwargs.get("dim", dim)
+    if kv is None or not isinstance(repeats, int) or dim is None or dim % x.dim() != kv[1] or x.shape[kv[1]] != 1:
+        return NotImplemented
+    heads, at = kv
+    tp = heads.shape[at]
+    return heads.repeat_interleave(repeats // tp, dim=at) if repeats % tp == 0 else NotImplemented
 
 
 class _SummedCopies(torch.autograd.Function):
@@ -133,4 +166,5 @@ def sum_copies(grad: torch.Tensor, packing: Any) -> torch.Tensor:
 
 
 HANDLERS = {torch._C.TensorBase.__getitem__: getitem, torch.Tensor.expand: expand, torch.Tensor.reshape: reshape,
-            torch.Tensor.view: reshape, torch.cat: cat}
+            torch.Tensor.view: reshape, torch.cat: cat, torch.Tensor.float: _cast(torch.Tensor.float), torch.Tensor.to: _cast(torch.Tensor.to),
+            torch.Tensor.repeat_interleave: repeat_interleave, torch.repeat_interleave: repeat_interleave}

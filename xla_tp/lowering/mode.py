@@ -16,6 +16,7 @@ output gets the original order back (with one warning naming the op: it moves da
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import warnings
@@ -24,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import bmm, copies, packed, patchify, transposed
+from . import bmm, channels, copies, packed, patchify, transposed
 from .entry import GETITEM, HANDLERS as OWNED
 
 
@@ -68,6 +69,10 @@ class Lowering(TorchFunctionMode):
         packing = packed.tag_of(tensor)
         if _metadata(func):
             return func(*args, **kwargs)
+        if channels.follows(func, tensor):  # features moved off the last dim, as a convolution's channels
+            out = channels.follow(func, args, kwargs, tensor, packing)
+            if out is not NotImplemented:
+                return out
         if func in _RESHAPES:  # features split into the packing's blocks, then heads: read in place
             out = packed.blocks_view(tensor, packing, _view_shape(args, kwargs, tensor))
             if out is not None:
@@ -81,6 +86,10 @@ class Lowering(TorchFunctionMode):
             got = packed.pieces(tensor, packing, ranges)
             if got is not None:
                 return got[0] if func is torch.Tensor.narrow or _is_getitem(func) else tuple(got)
+        if func in _ELEMENTWISE:
+            out = _elementwise(func, args, kwargs, tensor, packing)
+            if out is not NotImplemented:
+                return self.tag(out, packing)
         if func in _KEEPS_LAST and not (func in _RESHAPES and packing.laid_size != packing.size):
             out = func(*args, **kwargs)
             if isinstance(out, torch.Tensor) and out.shape[-1] == tensor.shape[-1]:
@@ -93,8 +102,32 @@ class Lowering(TorchFunctionMode):
             self.warned.add(name)
             warnings.warn(f"xla_tp: '{name}' uses a re-laid packed projection's whole output; it gets the original "
                           f"order back, which moves data between devices", stacklevel=3)
-        fixed = tuple(a if packed.tag_of(a) is None else packed.unpermute(a, packed.tag_of(a)) for a in args)
+        fixed = tuple(a if packed.tag_of(a) is None else _unpermuted(a) for a in args)
         return func(*fixed, **kwargs)
+
+
+def _elementwise(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: packed.Packing) -> Any:
+    """An element-wise op of the tagged ``t`` (features last) with tensors of one value per original feature
+    (Falcon-H1's ``zxbcdt * mup_vector``) or broadcast over them: those re-laid the same way, the output in
+    ``t``'s layout; ``NotImplemented`` for anything else (another tagged tensor, other shapes)."""
+    if channels.laid_dim(t) != t.dim() - 1 or kwargs or packing.padded:  # zero features: 0 / 0
+        return NotImplemented
+    laid = []
+    for a in args:
+        if a is t or not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[-1] == 1:
+            laid.append(a)
+        elif packed.tag_of(a) is None and a.shape[-1] == packing.size:
+            laid.append(packed.permute(a, dataclasses.replace(packing, dim=a.dim() - 1)))
+        else:
+            return NotImplemented
+    out = func(*laid)
+    return out if isinstance(out, torch.Tensor) and out.shape[-1] == t.shape[-1] else NotImplemented
+
+
+def _unpermuted(t: torch.Tensor) -> torch.Tensor:
+    """A tagged ``t`` in the original order, wherever its features are (``channels.laid_dim``)."""
+    dim = channels.laid_dim(t)
+    return packed.unpermute(t.movedim(dim, -1), packed.tag_of(t)).movedim(-1, dim)
 
 
 _METADATA = frozenset({"size", "dim", "numel", "nelement", "ndimension", "stride", "element_size", "is_contiguous",
@@ -204,6 +237,9 @@ def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
 
 IN_SITE = _first(OWNED, copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
+_ELEMENTWISE = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.add, torch.Tensor.add,
+                torch.Tensor.__add__, torch.Tensor.__radd__, torch.sub, torch.Tensor.sub, torch.Tensor.__sub__,
+                torch.div, torch.Tensor.div, torch.Tensor.__truediv__}
 _KEEPS_LAST = {torch.Tensor.unsqueeze, torch.Tensor.view, torch.Tensor.reshape, torch.reshape, torch.Tensor.contiguous, torch.Tensor.to,
                torch.Tensor.float, torch.Tensor.clone, torch.Tensor.type_as, torch.Tensor.clamp, torch.clamp,
                torch.Tensor.detach}

@@ -161,7 +161,8 @@ def unpermute(y: torch.Tensor, packing: Packing) -> torch.Tensor:
 
 
 def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> Optional[list[torch.Tensor]]:
-    """The slices ``[start, stop)`` of the original features, if each is a run of whole blocks."""
+    """The slices ``[start, stop)`` of the original features, if each is a run of whole blocks: a block read
+    in place (a copied one as ``copies.copied_block``), several as one re-laid output of their own (``run``)."""
     starts = {start: i for i, (start, _) in enumerate(packing.blocks)}
     ends = {start + n: i for i, (start, n) in enumerate(packing.blocks)}
     out = []
@@ -169,14 +170,27 @@ def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> 
         if start not in starts or stop not in ends:
             return None
         indices = range(starts[start], ends[stop] + 1)
-        if any(i in packing.whole for i in indices):  # a copied block comes alone, with its copies
-            if len(indices) > 1:
-                return None
-            out.append(copied_block(block(y, packing, indices[0])))
-            continue
-        parts = [block(y, packing, i) for i in indices]
-        out.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1))
+        if len(indices) > 1:  # several blocks: still re-laid, as one output of their own
+            out.append(run(y, packing, indices))
+        else:
+            out.append(copied_block(block(y, packing, indices[0])) if indices[0] in packing.whole
+                       else block(y, packing, indices[0]))
     return out
+
+
+def run(y: torch.Tensor, packing: Packing, indices: range) -> torch.Tensor:
+    """Blocks ``indices`` of a re-laid output ``y`` as one re-laid output of their own (each
+    device's parts side by side, tagged with the packing of just these blocks): Mamba2's ``[x | B | C]``, split
+    again after a convolution over its channels (``channels``)."""
+    tp, sizes = packing.tp, packing.sizes
+    offset = sum(sizes[:indices[0]]) // tp
+    n = sum(sizes[i] for i in indices) // tp
+    first = packing.blocks[indices[0]][0]
+    blocks = tuple((start - first, size) for start, size in packing.blocks[indices[0]:indices[-1] + 1])
+    whole = frozenset(i - indices[0] for i in indices if i in packing.whole)
+    padded = tuple(packing.padded[i] for i in indices) if packing.padded else ()
+    part = y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n].flatten(-2)
+    return tag(part, Packing(packing.dim, blocks, tp, padded, whole))
 
 
 def packed_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:

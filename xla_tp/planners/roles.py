@@ -29,6 +29,7 @@ Module names are never read: they only label explanations. Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from fractions import Fraction
 from enum import Enum
 from typing import Mapping, Optional
 
@@ -126,9 +127,9 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
         if r.copied and not copies:  # a model on meta: its own init would make the copies differ
             r.stop = f"a block of it ({next(iter(r.copied.values()))}) would be copied to every device, which " \
                      f"its own init on meta would make differ"
-        elif r.copied and r.reductions:  # a statistic over the split features would count the copies
+        elif counted := _counts_copies(r):  # a statistic over the split features would count the copies
             r.stop = f"a block of it ({next(iter(r.copied.values()))}) would be copied to every device, and " \
-                     f"{describe(next(iter(r.reductions.values())))} reduces all its features"
+                     f"{describe(counted)} reduces all its features"
     taken: dict[int, str] = {}  # projection node index -> role kind
     reasons: dict[int, str] = {}  # projection node index -> why it is not split
     covered: set[int] = set(routed)
@@ -234,11 +235,13 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
         what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
         packing = _padding(p.out_dims[0], blocks_of(r), ways, pad) if pad[0] else _packing(r, ways) if relaid else None
         _set_column(roles, p, "column", logical, f"column-parallel: {what} split {ways} ways, read by "
-                    f"{_row_names(rows)}{chosen}", packing=packing)
+                    f"{_row_names(rows)}{chosen}{_statistics(r)}", packing=packing)
         taken[p.node.index] = "column"
         covered |= r.attention
         if r.windows and relaid:
             roles.sites |= r.slicers
+        if not pad[0]:
+            _set_partners(roles, r, packing, ways, logical)
         roles.sites |= r.merges  # heads merged with the batch: kept 4-D there (lowering.bmm)
     for index, (node, param, dim) in rows.items():
         axes = ["embed"] * len(param.shape)
@@ -252,6 +255,46 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
             roles.set(bias, _replicated(bias, "bias of a row-parallel projection: added once, after the reduction"))
         taken[index] = "row"
     roles.groups.append([r.projection.name for r in split_regions])
+
+
+def _statistics(r: Region) -> str:
+    """What the statistics over ``r``'s split features cost (a gated norm's variance over all its heads)."""
+    if not r.reductions:
+        return ""
+    nodes = ", ".join(describe(n) for n in list(r.reductions.values())[:2])
+    return f"; {nodes} reduces over its split features: one small all-reduce of the statistic per token"
+
+
+def _counts_copies(r: Region) -> Optional[Node]:
+    """A reduction over features of ``r`` that copied blocks would be counted in (its block holds one)."""
+    def overlaps(a: tuple[Fraction, Fraction], b: tuple[Fraction, Fraction]) -> bool:
+        return a[0] < b[0] + b[1] and b[0] < a[0] + a[1]
+
+    return next((r.reductions[i] for i, w in r.reduction_windows.items() if any(overlaps(w, c) for c in r.copied)),
+                None)
+
+
+def _set_partners(roles: Roles, r: Region, packing: Optional[Packing], ways: int, logical: str) -> None:
+    """The parameters applied one entry per split feature of ``r`` (``Region.partners``), split with them: laid
+    like the blocks they meet when those are several blocks of a re-laid projection (a convolution over
+    ``[x | B | C]``, its copied blocks copied too); left whole when the features they meet are not split
+    evenly in their order (a block of a packed projection that is not re-laid)."""
+    name = r.projection.name.rpartition(".")[0]
+    whole = (Fraction(0), Fraction(r.projection.size))
+    for param, dim, (base, span) in r.partners.values():
+        inside = [(i, (start, n)) for i, (start, n) in enumerate(packing.blocks) if base <= start < base + span] \
+            if packing is not None else []
+        if packing is None and (base, span) != whole:
+            continue
+        axes: list[Optional[str]] = [None] * len(param.shape)
+        axes[dim] = logical
+        laid = None
+        if len(inside) > 1:
+            laid = Packing(dim, tuple((int(start - base), n) for _, (start, n) in inside), ways,
+                           whole=frozenset(k for k, (i, _) in enumerate(inside) if i in packing.whole))
+        copies = " (its copied blocks' entries copied too)" if laid is not None and laid.whole else ""
+        roles.set(param, ParamRole("column", tuple(axes), f"split with the features of {name} it is applied to, "
+                                   f"one entry per feature or head{copies}", "", laid))
 
 
 def _padding(dim: int, blocks: tuple[tuple[int, int], ...], tp: int, pad: tuple[int, int]) -> Packing:
@@ -276,7 +319,9 @@ def _row_bias(node: Node, weight: Value) -> Optional[Value]:
 def _granule_text(r: Region) -> str:
     unit = "heads" if r.attention else "blocks"
     blocks = _blocks(r)
-    packed = f" (packed blocks {[n for _, n in blocks]}, re-laid device-major)" if blocks else ""
+    copied = f"; blocks {[int(n) for _, n in sorted(r.copied)]} copied to every device: " \
+             f"{next(iter(r.copied.values()))}" if r.copied else ""
+    packed = f" (packed blocks {[n for _, n in blocks]}, re-laid device-major{copied})" if blocks else ""
     return f"{min(r.granules)} {unit}{packed}"
 
 

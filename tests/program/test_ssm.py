@@ -1,0 +1,82 @@
+"""State-space mixers under "auto", called as a user calls them (``model(input_ids=...)``, no example input):
+Mamba2 split by heads (B/C copied with one group, split with the heads with four), its figures from the
+audit of that call, its logits and one training step against the CPU model."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch_xla
+import transformers
+
+import xla_tp
+
+from ..helpers import max_err
+
+pytestmark = pytest.mark.complete
+
+
+def mamba2(groups: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.Mamba2ForCausalLM(transformers.Mamba2Config(
+        hidden_size=64, num_hidden_layers=2, vocab_size=128, num_heads=8, head_dim=16, expand=2, n_groups=groups,
+        state_size=16, chunk_size=16))
+
+
+@pytest.mark.parametrize("groups", [1, 4])
+def test_mamba2_splits_its_mixer_and_matches_the_cpu_model(groups):
+    ref = mamba2(groups)
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    dev = ids.to(torch_xla.device())
+    forward = xla_tp.audit(model, input_ids=dev, backward=False)
+    assert forward.count("all-gather") == 0 and forward.comm_ratio <= 1.10, forward
+    assert forward.compute_balance <= 1.15 and forward.param_memory_ratio <= 1.15, forward
+    both = xla_tp.audit(model, input_ids=dev, backward=True)
+    # the unsharded program's depthwise kernel gradient compiles to a dense convolution on the CPU, which the
+    # split program (shifted products) does not run: its balance is no measure here, its collectives are
+    assert both.count("all-gather") == 0 and both.count("all-to-all") == 0 and both.comm_ratio <= 1.10, both
+    assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
+    for m, inp in ((model, dev), (ref, ids)):
+        F.cross_entropy(m(input_ids=inp).logits.flatten(0, 1), inp.flatten()).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    torch_xla.sync()
+    after = model.state_dict()  # device 0's copies, in the original layout
+    assert all(max_err(after[k], v) < 1e-5 for k, v in ref.state_dict().items())
+    if groups == 1:  # B and C's rows copied on every device stay equal
+        rows = model.backbone.layers[0].mixer.in_proj.weight.detach().cpu().view(4, 98, 64)[:, 64:96]
+        assert max_err(rows, rows[:1].expand_as(rows)) == 0
+
+
+def test_bamba_splits_its_mamba_and_attention_layers():
+    """A hybrid stack (Bamba: Mamba2 mixers, attention, MLPs), called with its default cache: the mixer's
+    convolution state is cached in the re-laid order it was computed in."""
+    torch.manual_seed(0)
+    ref = transformers.BambaForCausalLM(transformers.BambaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=128, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_n_groups=1, mamba_d_state=16,
+        mamba_chunk_size=16, attn_layer_indices=[1]))
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    dev = ids.to(torch_xla.device())
+    report = xla_tp.audit(model, input_ids=dev, backward=False)
+    assert report.count("all-gather") == 0 and report.comm_ratio <= 1.10, report
+    assert report.compute_balance <= 1.15 and report.param_memory_ratio <= 1.15, report
+    assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
+
+
+def test_falcon_h1_scales_its_packed_projection_in_place():
+    """Falcon-H1 multiplies the packed in_proj output by one constant per feature (``mup_vector``): the constant
+    is re-laid like the output, nothing moves between devices."""
+    torch.manual_seed(0)
+    ref = transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=8, vocab_size=128, mamba_n_heads=8, mamba_d_head=16, mamba_expand=2, mamba_n_groups=1,
+        mamba_d_state=16, mamba_chunk_size=16, mamba_d_ssm=128))
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=xla_tp.make_mesh(data=2, model=4))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    dev = ids.to(torch_xla.device())
+    report = xla_tp.audit(model, input_ids=dev, backward=False)
+    assert set(report.collectives) == {"all-reduce"} and report.comm_ratio <= 1.10, report
+    assert report.compute_balance <= 1.15 and report.param_memory_ratio <= 1.15, report
+    assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
