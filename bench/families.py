@@ -27,8 +27,8 @@ from .plans import hand_apply, plan_layout
 from .routes import mesh_name
 
 FAMILIES = ("mistral", "qwen2", "gemma2", "phi3", "gpt_neox", "falcon", "mpt", "gptj", "starcoder2", "opt",
-            "t5_encoder", "cuda_llama", "torch_encoder", "llama4", "mamba2", "qwen3_next", "gemma3n")
-KV_HEADS = {"falcon": 4, "mistral": 2, "llama4": 4, "qwen3_next": 4, "gemma3n": 4}
+            "t5_encoder", "cuda_llama", "torch_encoder", "llama4", "mamba2", "falcon_h1", "qwen3_next", "gemma3n")
+KV_HEADS = {"falcon": 4, "mistral": 2, "llama4": 4, "falcon_h1": 4, "qwen3_next": 4, "gemma3n": 4}
 HAND_PLANS = {  # what a user writes for a family that publishes no tp_plan
     "falcon": {"transformer.word_embeddings": "embedding_rowwise",
                "transformer.h.*.self_attention.query_key_value": "colwise",

@@ -87,7 +87,8 @@ HF_FAMILIES: dict[str, tuple[str, str, Callable[[int, int, int], dict]]] = {
         dim=h, hidden_dim=2 * h, n_layers=n, n_heads=HEADS, vocab_size=VOCAB, max_position_embeddings=POSITIONS)),
     "t5_encoder": ("T5Config", "t5_encoder", lambda h, kv, n: dict(
         d_model=h, d_kv=h // HEADS, d_ff=2 * h, num_layers=n, num_heads=HEADS, vocab_size=VOCAB)),
-    # the kinds of 2025-26: experts computed densely by a bmm, a state-space mixer, gated delta nets
+    # the kinds of 2025-26: experts computed densely by a bmm, a state-space mixer (alone, and beside attention
+    # in every layer: Falcon-H1), gated delta nets
     # beside attention and routed experts, per-layer inputs with AltUp and LAuReL
     "llama4": ("Llama4TextConfig", "causal", lambda h, kv, n: {
         **_decoder(h, kv, n), "intermediate_size_mlp": 2 * h, "num_local_experts": 4, "num_experts_per_tok": 1,
@@ -95,6 +96,9 @@ HF_FAMILIES: dict[str, tuple[str, str, Callable[[int, int, int], dict]]] = {
     "mamba2": ("Mamba2Config", "causal", lambda h, kv, n: dict(
         hidden_size=h, num_hidden_layers=n, vocab_size=VOCAB, num_heads=HEADS, head_dim=2 * h // HEADS, expand=2,
         n_groups=1, state_size=16, chunk_size=16, bos_token_id=0, eos_token_id=1, pad_token_id=None)),
+    "falcon_h1": ("FalconH1Config", "causal", lambda h, kv, n: {
+        **_decoder(h, kv, n), "mamba_n_heads": HEADS, "mamba_d_head": 2 * h // HEADS, "mamba_expand": 2,
+        "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_chunk_size": 16, "mamba_d_ssm": 2 * h}),
     "qwen3_next": ("Qwen3NextConfig", "causal", lambda h, kv, n: {
         **_decoder(h, kv, n), "linear_num_value_heads": HEADS, "linear_num_key_heads": HEADS // 2,
         "linear_key_head_dim": h // HEADS, "linear_value_head_dim": h // HEADS, "num_experts": 4,
