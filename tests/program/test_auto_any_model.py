@@ -216,19 +216,39 @@ def test_gpt_bigcode_multi_query_splits_q_and_copies_k_v():
     assert max_err(copies, copies[:1].expand_as(copies)) == 0  # still equal on every device
 
 
-def test_falcon_multi_query_reshapes_its_packed_output_and_gets_it_in_the_original_order():
-    """Falcon (``multi_query``): ``x @ w.T`` packs q with one key/value head, then a ``view`` into heads + 2
-    names the original features. The projection is lowered as the ``F.linear`` it is (its output tagged);
-    the view gets the original order back, with a warning that says it moves data: the CPU model's logits."""
+@pytest.mark.complete
+def test_falcon_multi_query_reads_its_heads_view_in_place_and_copies_k_v():
+    """Falcon (``multi_query``): ``x @ w.T`` packs q with one key/value head, then ``view(b, s, heads + 2, d)``
+    and ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]``. The query heads split 4 ways, every device
+    copies the key/value heads (no sub-axis, no all-to-all), rotary embeddings keep the copies; the layer
+    norm's output feeds q/k/v and the MLP with one input gradient (a column group of ``x @ w.T``). Forward:
+    the plan's all-reduces only; forward+backward: those and, per layer, the sums of the key and the value
+    copies' weight gradients. Logits and one training step match the CPU model."""
     mesh = xla_tp.make_mesh(data=2, model=4)
-    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=128,
-                                    multi_query=True, new_decoder_architecture=False)
+    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
+    assert cfg.multi_query and not cfg.new_decoder_architecture
     ref = seeded(lambda: transformers.AutoModelForCausalLM.from_config(cfg))
     model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
     x = ids()
-    with pytest.warns(UserWarning, match="gets the original order back, which moves data"):
-        got = model(x.to(torch_xla.device())).logits
-    assert max_err(got, ref(x).logits) < 1e-4
+    xd = x.to(torch_xla.device())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing put back in the original order
+        fwd = xla_tp.audit(model, input_ids=xd)
+        bwd = xla_tp.audit(model, input_ids=xd, backward=True)
+    for report in (fwd, bwd):
+        assert set(report.collectives) == {"all-reduce"}, report
+        assert report.compute_balance <= 1.10 and report.param_memory_ratio <= 1.05, report
+    assert fwd.count("all-reduce") == fwd.expected["all-reduce"]["count"] and fwd.comm_ratio == 1.0, fwd
+    assert bwd.count("all-reduce") == bwd.expected["all-reduce"]["count"] + 2 * 2 and bwd.comm_ratio <= 1.10, bwd
+    assert max_err(model(input_ids=xd).logits, ref(input_ids=x).logits) < 1e-4
+    for m, inp in ((model, xd), (ref, x)):
+        F.cross_entropy(m(input_ids=inp).logits.flatten(0, 1), inp.flatten()).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    torch_xla.sync()
+    after = model.state_dict()
+    assert all(max_err(after[k], v) < 1e-5 for k, v in ref.state_dict().items())
+    copies = model.transformer.h[0].self_attention.query_key_value.weight.detach().cpu().view(4, 32, 64)[:, 16:]
+    assert max_err(copies, copies[:1].expand_as(copies)) == 0  # still equal on every device
 
 
 class TrainingLoss(nn.Module):
