@@ -218,7 +218,10 @@ def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> 
 
 def packed_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     """A packed weight's ``n`` equal blocks along dim 0 (re-laid or not), each ``[size / n, ...]``."""
-    packing = packing_of(t)
-    if packing is None:
-        return list(t.chunk(n, 0))
-    return [block(t.movedim(0, -1), packing, i).movedim(-1, 0) for i in range(n)]
+    return [b.movedim(-1, 0) for b in output_blocks(t.movedim(0, -1), packing_of(t), n)]
+
+
+def output_blocks(y: torch.Tensor, packing: Optional[Packing], n: int) -> list[torch.Tensor]:
+    """The ``n`` equal blocks of ``y``'s last dim, the output of a packed projection re-laid as ``packing`` (or
+    in its original order: None), each read in place."""
+    return list(y.chunk(n, -1)) if packing is None else [block(y, packing, i) for i in range(n)]
