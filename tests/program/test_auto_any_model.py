@@ -284,23 +284,25 @@ def test_gemma3n_altup_stacks_its_innovation_without_moving_the_batch():
     """Gemma 3n's AltUp stacks a batch-split activation in a new leading dim (``innovation.repeat(2, 1, 1, 1)``),
     which torch_xla lowers to an op GSPMD reshards with all-to-alls over the data axis (4 on 2 layers); lowered
     as the broadcast it is, the forward has the plan's all-reduces only, and neither pass moves the batch.
-    Logits match the CPU model."""
+    ``altup.prediction_coefs`` contracts the router's features, which the router's other use keeps whole: it
+    is computed whole too (no padding of its 2 inputs to 4, no all-reduce). Logits match the CPU model."""
     mesh = xla_tp.make_mesh(data=2, model=4)
     cfg = transformers.Gemma3nTextConfig(
         hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
         head_dim=8, vocab_size=128, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, laurel_rank=8,
         altup_num_inputs=2, num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],
         activation_sparsity_pattern=[0.0, 0.0])
-    ref = seeded(lambda: transformers.Gemma3nForCausalLM(cfg))
+    torch.manual_seed(0)
+    ref = transformers.Gemma3nForCausalLM(cfg)  # in training mode, as built: AltUp clamps its correction coefficients
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # altup.prediction_coefs pads 2 -> 4
+        warnings.simplefilter("error", UserWarning)  # nothing padded
         model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
     x = ids()
     xd = x.to(torch_xla.device())
     fwd, bwd = xla_tp.audit(model, input_ids=xd), xla_tp.audit(model, input_ids=xd, backward=True)
     assert set(fwd.collectives) == set(bwd.collectives) == {"all-reduce"}, (fwd, bwd)
     assert fwd.count("all-reduce") == fwd.expected["all-reduce"]["count"] and fwd.comm_ratio == 1.0, fwd
-    assert bwd.comm_ratio <= 1.15, bwd
+    assert bwd.comm_ratio <= 1.10, bwd
     assert max_err(model(input_ids=xd).logits, ref(input_ids=x).logits) < 1e-4
 
 
