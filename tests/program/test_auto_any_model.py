@@ -216,19 +216,94 @@ def test_gpt_bigcode_multi_query_splits_q_and_copies_k_v():
     assert max_err(copies, copies[:1].expand_as(copies)) == 0  # still equal on every device
 
 
-def test_falcon_multi_query_reshapes_its_packed_output_and_gets_it_in_the_original_order():
-    """Falcon (``multi_query``): ``x @ w.T`` packs q with one key/value head, then a ``view`` into heads + 2
-    names the original features. The projection is lowered as the ``F.linear`` it is (its output tagged);
-    the view gets the original order back, with a warning that says it moves data: the CPU model's logits."""
+@pytest.mark.complete
+def test_falcon_multi_query_reads_its_heads_view_in_place_and_copies_k_v():
+    """Falcon (``multi_query``): ``x @ w.T`` packs q with one key/value head, then ``view(b, s, heads + 2, d)``
+    and ``[..., :-2, :]``, ``[..., [-2], :]``, ``[..., [-1], :]``. The query heads split 4 ways, every device
+    copies the key/value heads (no sub-axis, no all-to-all), rotary embeddings keep the copies; the layer
+    norm's output feeds q/k/v and the MLP with one input gradient (a column group of ``x @ w.T``). Forward:
+    the plan's all-reduces only; forward+backward: those and, per layer, the sums of the key and the value
+    copies' weight gradients. Logits and one training step match the CPU model."""
     mesh = xla_tp.make_mesh(data=2, model=4)
-    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, vocab_size=128,
-                                    multi_query=True, new_decoder_architecture=False)
+    cfg = transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=8, vocab_size=128)
+    assert cfg.multi_query and not cfg.new_decoder_architecture
     ref = seeded(lambda: transformers.AutoModelForCausalLM.from_config(cfg))
     model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
     x = ids()
-    with pytest.warns(UserWarning, match="gets the original order back, which moves data"):
-        got = model(x.to(torch_xla.device())).logits
-    assert max_err(got, ref(x).logits) < 1e-4
+    xd = x.to(torch_xla.device())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing put back in the original order
+        fwd = xla_tp.audit(model, input_ids=xd)
+        bwd = xla_tp.audit(model, input_ids=xd, backward=True)
+    for report in (fwd, bwd):
+        assert set(report.collectives) == {"all-reduce"}, report
+        assert report.compute_balance <= 1.10 and report.param_memory_ratio <= 1.05, report
+    assert fwd.count("all-reduce") == fwd.expected["all-reduce"]["count"] and fwd.comm_ratio == 1.0, fwd
+    assert bwd.count("all-reduce") == bwd.expected["all-reduce"]["count"] + 2 * 2 and bwd.comm_ratio <= 1.10, bwd
+    assert max_err(model(input_ids=xd).logits, ref(input_ids=x).logits) < 1e-4
+    for m, inp in ((model, xd), (ref, x)):
+        F.cross_entropy(m(input_ids=inp).logits.flatten(0, 1), inp.flatten()).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    torch_xla.sync()
+    after = model.state_dict()
+    assert all(max_err(after[k], v) < 1e-5 for k, v in ref.state_dict().items())
+    copies = model.transformer.h[0].self_attention.query_key_value.weight.detach().cpu().view(4, 32, 64)[:, 16:]
+    assert max_err(copies, copies[:1].expand_as(copies)) == 0  # still equal on every device
+
+
+@pytest.mark.complete
+def test_transformer_encoder_self_attention_has_one_input_gradient_per_projection():
+    """torch's ``nn.TransformerEncoder`` called as users do (``src=``): its self-attention projects q, k and v
+    from one input in one contraction of the re-laid ``in_proj_weight``, so the backward reduces that input's
+    gradient once (not once per q, k, v) and each weight's gradient once over the data axis. The minimum does
+    not count the attention input's gradient (``nn.MultiheadAttention`` has no ``weight``): the second
+    layer's is the one all-reduce above it. Outputs and gradients match the CPU model."""
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    layer = nn.TransformerEncoderLayer(64, 8, 128, batch_first=True, dropout=0.0)
+    ref = seeded(lambda: nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
+    x = torch.randn(4, 16, 64, generator=torch.Generator().manual_seed(1))
+    xd = x.to(torch_xla.device())
+    fwd, bwd = xla_tp.audit(model, src=xd), xla_tp.audit(model, src=xd, backward=True)
+    for report in (fwd, bwd):
+        assert set(report.collectives) == {"all-reduce"} and report.compute_balance <= 1.05, report
+    assert fwd.count("all-reduce") == fwd.expected["all-reduce"]["count"] and fwd.comm_ratio == 1.0, fwd
+    assert bwd.count("all-reduce") == bwd.expected["all-reduce"]["count"] + 1 and bwd.comm_ratio <= 1.10, bwd
+    got, want = model(src=xd), ref(src=x)
+    assert max_err(got, want) < 1e-4
+    for m, out in ((model, got), (ref, want)):
+        out.pow(2).mean().backward()
+        torch.optim.SGD(m.parameters(), lr=1.0).step()
+    torch_xla.sync()
+    after = model.state_dict()  # in the original layout
+    assert all(max_err(after[k], v) < 1e-5 for k, v in ref.state_dict().items())
+
+
+@pytest.mark.complete
+def test_gemma3n_altup_stacks_its_innovation_without_moving_the_batch():
+    """Gemma 3n's AltUp stacks a batch-split activation in a new leading dim (``innovation.repeat(2, 1, 1, 1)``),
+    which torch_xla lowers to an op GSPMD reshards with all-to-alls over the data axis (4 on 2 layers); lowered
+    as the broadcast it is, the forward has the plan's all-reduces only, and neither pass moves the batch.
+    ``altup.prediction_coefs`` contracts the router's features, which the router's other use keeps whole: it
+    is computed whole too (no padding of its 2 inputs to 4, no all-reduce). Logits match the CPU model."""
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    cfg = transformers.Gemma3nTextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=8, vocab_size=128, vocab_size_per_layer_input=128, hidden_size_per_layer_input=16, laurel_rank=8,
+        altup_num_inputs=2, num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],
+        activation_sparsity_pattern=[0.0, 0.0])
+    torch.manual_seed(0)
+    ref = transformers.Gemma3nForCausalLM(cfg)  # in training mode, as built: AltUp clamps its correction coefficients
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # nothing padded
+        model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
+    x = ids()
+    xd = x.to(torch_xla.device())
+    fwd, bwd = xla_tp.audit(model, input_ids=xd), xla_tp.audit(model, input_ids=xd, backward=True)
+    assert set(fwd.collectives) == set(bwd.collectives) == {"all-reduce"}, (fwd, bwd)
+    assert fwd.count("all-reduce") == fwd.expected["all-reduce"]["count"] and fwd.comm_ratio == 1.0, fwd
+    assert bwd.comm_ratio <= 1.10, bwd
+    assert max_err(model(input_ids=xd).logits, ref(input_ids=x).logits) < 1e-4
 
 
 class TrainingLoss(nn.Module):

@@ -82,12 +82,15 @@ def test_sdpa_dropout_applies_only_when_asked():
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("kind", ["none", "bool", "float", "pad", "pad_float"])
 @pytest.mark.parametrize("need_weights", [False, True])
-def test_mha_lowering_matches_torch(batch_first, kind, need_weights):
-    """``attention.mha`` is ``F.multi_head_attention_forward`` (sequence-first) for every mask kind."""
+@pytest.mark.parametrize("self_attention", [False, True])
+def test_mha_lowering_matches_torch(batch_first, kind, need_weights, self_attention):
+    """``attention.mha`` is ``F.multi_head_attention_forward`` (sequence-first) for every mask kind, with
+    other keys and values or the query itself (self-attention: one projection)."""
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(E, H).eval()
-    L, Sk = 5, 7
+    L, Sk = 5, 5 if self_attention else 7
     q, k, v = torch.randn(L, B, E), torch.randn(Sk, B, E), torch.randn(Sk, B, E)
+    k = v = q if self_attention else k
     causal = torch.triu(torch.ones(L, Sk, dtype=torch.bool), 1)
     pad = torch.zeros(B, Sk, dtype=torch.bool)
     pad[:, -2:] = True

@@ -222,3 +222,22 @@ def test_a_forward_that_casts_a_submodule_to_its_own_dtype_is_planned(mesh):
     plan = plan_for(model, mesh=mesh)
     assert (plan.roles["up.weight"].kind.value, plan.roles["down.weight"].kind.value) == ("column", "row"), plan.roles
     assert not any("_apply" in vars(m) for m in model.modules())
+
+
+class TwoUses(nn.Module):
+    """A router read twice (Gemma 3n's AltUp): once before a projection that contracts its features, once
+    whole (a softmax over them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.coefs = nn.Linear(16, 8, bias=False), nn.Linear(8, 16, bias=False)
+
+    def forward(self, x):
+        return self.coefs(torch.tanh(self.router(x))) + self.router(x * 2).softmax(-1).sum(-1, keepdim=True)
+
+
+def test_a_block_whose_weight_is_replicated_by_disagreeing_uses_is_computed_whole():
+    with pytest.warns(UserWarning, match="found nothing to split"):
+        plan = plan_for(TwoUses(), mesh={"model": 4}, example_inputs=(torch.randn(2, 16),))
+    assert "uses disagree" in plan.replicated["router.weight"]
+    assert "in one block with router.weight" in plan.replicated["coefs.weight"]  # not row-parallel over a whole input

@@ -349,23 +349,26 @@ def _kept(rests: Optional[Rests], marks: list[tuple[tuple, dict[str, int]]], log
 
 
 def _split_per_block(value: Value, feats: Features) -> bool:
-    """Whether every consumer of ``value`` takes its leading factor apart one index at a time (ModernBERT's
-    ``qkv.view(b, s, 3, heads, d).unbind(-3)``): then that factor is a packing of blocks, not a number of
-    heads the axis must divide; each block's own heads are its granules."""
-    block = feats.span / feats.lead.size
+    """Whether every consumer of ``value`` takes a part of its leading factor (ModernBERT's
+    ``qkv.view(b, s, 3, heads, d).unbind(-3)``, Falcon's multi-query ``qkv.view(b, s, heads + 2, d)[..., :-2, :]``
+    and ``[..., [-2], :]``): then that factor is a packing of blocks, not a number of heads the axis must
+    divide; each block's own heads are its granules."""
     steps = [step(node, pos, feats) for node, pos in value.consumers]
-    return bool(steps) and all(not s.stop and s.row is None and s.outputs and all(f.span == block for _, f in s.outputs)
+    return bool(steps) and all(not s.stop and s.row is None and s.outputs and all(f.span < feats.span for _, f in s.outputs)
                                for s in steps)
 
 
 def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Node) -> bool:
     """Take the block ``window`` (and everything derived from it) out of the split, to be copied to every
-    device; False if it cannot be (a row projection already contracts part of it)."""
-    base, span = window
-    inside = lambda w: base <= w[0] and w[0] + w[1] <= base + span  # noqa: E731
+    device; False if it cannot be (a row projection already contracts part of it). A part of a block sliced
+    off the packed output (the halves of Falcon's key head that rotary embeddings take) copies that whole block."""
+    whole = (region.projection.features.base, region.projection.features.span)
+    window = max((w for w in region.windows if w != whole and _within(window, w)), key=lambda w: w[1], default=window)
+    inside = lambda w: _within(w, window)  # noqa: E731
     if any(inside(w) for w in region.row_windows.values()):
         return False
     region.copied.setdefault(window, f"{why} ({describe(node)})")
+    region.windows -= {w for w in region.windows if w != window and inside(w)}
     for index in [i for i, f in region.values.items() if inside((f.base, f.span))]:
         del region.values[index]
     for size in [n for n, w in region.granule_windows.items() if inside(w)]:
@@ -375,6 +378,10 @@ def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Nod
     for index in [i for i, w in region.reduction_windows.items() if inside(w)]:
         del region.reductions[index], region.reduction_windows[index]
     return True
+
+
+def _within(w: tuple[Fraction, Fraction], outer: tuple[Fraction, Fraction]) -> bool:
+    return outer[0] <= w[0] and w[0] + w[1] <= outer[0] + outer[1]
 
 
 def describe(node: Optional[Node]) -> str:

@@ -31,7 +31,7 @@ from ..axes import mesh_axes, spec_entry
 from . import context_flash, scope
 from .context import context_split, splits_queries
 from .copies import as_kv_heads
-from .packed import packed_blocks
+from .packed import output_blocks, packed_blocks, packing_of
 
 _FLASH = {"enabled": False, "interpret": False, "balance": True}
 _masks = threading.local()
@@ -181,11 +181,17 @@ def mha(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, num_heads: 
     length, batch, embed = query.shape
     h = num_heads
     d = embed // h
-    wq, wk, wv = (w.view(h, d, embed) for w in packed_blocks(in_proj_weight, 3))
-    bq, bk, bv = (0.0, 0.0, 0.0) if in_proj_bias is None else (b.view(h, 1, d) for b in packed_blocks(in_proj_bias, 3))
-    q = torch.einsum("lbe,hde->bhld", query, wq) + bq
-    k = torch.einsum("sbe,hde->bhsd", key, wk) + bk
-    v = torch.einsum("sbe,hde->bhsd", value, wv) + bv
+    if query is key and key is value:  # self-attention: one projection, so one partial input gradient to reduce
+        y = torch.einsum("lbe,ce->lbc", query, in_proj_weight)  # not F.linear: it merges [L, B] (B split: gathered)
+        y = y if in_proj_bias is None else y + in_proj_bias
+        qkv = output_blocks(y, packing_of(in_proj_weight), 3)
+        q, k, v = (t.unflatten(-1, (h, d)).permute(1, 2, 0, 3) for t in qkv)
+    else:
+        wq, wk, wv = (w.view(h, d, embed) for w in packed_blocks(in_proj_weight, 3))
+        bq, bk, bv = (0.0, 0.0, 0.0) if in_proj_bias is None else (b.view(h, 1, d) for b in packed_blocks(in_proj_bias, 3))
+        q = torch.einsum("lbe,hde->bhld", query, wq) + bq
+        k = torch.einsum("sbe,hde->bhsd", key, wk) + bk
+        v = torch.einsum("sbe,hde->bhsd", value, wv) + bv
     scores = torch.einsum("bhld,bhsd->bhls", q, k) * d ** -0.5
     mask = _float_mask(attn_mask, scores.dtype)
     if mask is not None:

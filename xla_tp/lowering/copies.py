@@ -20,7 +20,7 @@ True
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -42,6 +42,12 @@ def copied_block(part: torch.Tensor) -> torch.Tensor:
     return block
 
 
+def copied_head(part: torch.Tensor) -> torch.Tensor:
+    """The one key/value head the model asked for (``[..., 1, D]``, Falcon's ``qkv.view(b, s, heads + 2, d)[..., [-2], :]``)
+    from its copies ``part`` (``[..., tp, D]``), which it carries as key/value heads on the same dim."""
+    return _tag(part.mean(-2, keepdim=True), part, part.dim() - 2)
+
+
 def _tag(t: torch.Tensor, heads: torch.Tensor, dim: int) -> torch.Tensor:
     return _KV.put(t, (heads, dim))
 
@@ -57,11 +63,14 @@ def as_kv_heads(t: torch.Tensor) -> torch.Tensor:
 
 
 def getitem(x: torch.Tensor, index: Any) -> Any:
-    """``x[:, :, None]`` and the like (new dims, whole slices) on the copies too."""
+    """``x[:, :, None]`` and the like (new dims, whole slices) on the copies too; other indexing as ``follow``
+    does it (rotary embeddings' halves of the head dim)."""
     kv = _kv(x)
     items = index if isinstance(index, tuple) else (index,)
-    if kv is None or not all(i is None or i is Ellipsis or i == slice(None) for i in items):
+    if kv is None:
         return NotImplemented
+    if not all(i is None or i is Ellipsis or i == slice(None) for i in items):
+        return _followed(torch._C.TensorBase.__getitem__, (x, index), {})
     heads, dim = kv
     probe = torch.empty([_MARK if d == dim else 1 for d in range(x.dim())], device="meta")[index]
     return _tag(x[index], heads[index], list(probe.shape).index(_MARK))
@@ -98,7 +107,7 @@ def reshape(x: torch.Tensor, *shape: Any) -> Any:
     out = x.reshape(shape)
     if out.dim() == x.dim() - 1 and out.shape[dim] == x.shape[dim] * x.shape[dim + 1]:
         return heads.reshape(out.shape)
-    return out
+    return _tag(out, heads, dim) if out.shape == x.shape else out
 
 
 def cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
@@ -110,14 +119,33 @@ def cat(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
     return _tag(torch.cat(items, dim, **kwargs), torch.cat([heads for heads, _ in kvs], dim), kvs[0][1])
 
 
-def _cast(method: Any) -> Any:
-    """``x.float()``, ``x.to(dtype)`` of a copied block: its copies cast too."""
-    def cast(x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        kv = _kv(x)
-        if kv is None:
+def _followed(func: Callable, args: tuple, kwargs: dict) -> Any:
+    """``func`` on the model's tensors, and on the copies in their place: the result carries the copies when
+    they come out of it on one dim, in place of the model's size 1 there (element-wise ops, transposes, slices
+    of other dims); otherwise they are dropped (the model's tensor is the copies' mean: correct, moves data)."""
+    out = func(*args, **kwargs)
+    kvs = [_kv(a) for a in args]
+    swapped = tuple(a if kv is None else kv[0] for a, kv in zip(args, kvs))
+    tp = next(kv[0].shape[kv[1]] for kv in kvs if kv is not None)
+    try:
+        heads = func(*swapped, **kwargs)
+    except RuntimeError:
+        return out
+    if not isinstance(out, torch.Tensor) or not isinstance(heads, torch.Tensor) or heads.dim() != out.dim():
+        return out
+    dims = [d for d in range(out.dim()) if out.shape[d] != heads.shape[d]]
+    if len(dims) != 1 or out.shape[dims[0]] != 1 or heads.shape[dims[0]] != tp:
+        return out
+    return _tag(out, heads, dims[0])
+
+
+def follow(func: Callable) -> Callable:
+    """A handler of ``func`` for tensors carrying copies (``_followed``); NotImplemented for others."""
+    def handler(*args: Any, **kwargs: Any) -> Any:
+        if not any(_kv(a) is not None for a in args):
             return NotImplemented
-        return _tag(method(x, *args, **kwargs), method(kv[0], *args, **kwargs), kv[1])
-    return cast
+        return _followed(func, args, kwargs)
+    return handler
 
 
 def repeat_interleave(x: torch.Tensor, repeats: Any = None, dim: Any = None, **kwargs: Any) -> Any:
@@ -165,6 +193,10 @@ def sum_copies(grad: torch.Tensor, packing: Any) -> torch.Tensor:
     return torch.cat(parts, -1).flatten(-2).movedim(-1, dim)
 
 
+_FOLLOWED = (torch.Tensor.transpose, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.Tensor.__add__,
+             torch.Tensor.__radd__, torch.Tensor.__sub__, torch.Tensor.__neg__, torch.Tensor.mul, torch.Tensor.add,
+             torch.Tensor.neg, torch.mul, torch.add, torch.neg, torch.Tensor.contiguous, torch.Tensor.to,
+             torch.Tensor.float, torch.Tensor.type_as)
 HANDLERS = {torch._C.TensorBase.__getitem__: getitem, torch.Tensor.expand: expand, torch.Tensor.reshape: reshape,
-            torch.Tensor.view: reshape, torch.cat: cat, torch.Tensor.float: _cast(torch.Tensor.float), torch.Tensor.to: _cast(torch.Tensor.to),
-            torch.Tensor.repeat_interleave: repeat_interleave, torch.repeat_interleave: repeat_interleave}
+            torch.Tensor.view: reshape, torch.cat: cat, torch.Tensor.repeat_interleave: repeat_interleave,
+            torch.repeat_interleave: repeat_interleave, **{func: follow(func) for func in _FOLLOWED}}

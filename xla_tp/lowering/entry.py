@@ -19,7 +19,8 @@ as it is):
 - ``where``, ``nonzero``: an expert's tokens chosen by value in an MoE module that loops over its
   experts: a static number of positions (``selection``);
 - ``repeat`` along dimension 0: the tokens stacked experts are computed for, repeated once per expert
-  (``dataflow.stacked``), as a broadcast the partitioner keeps split (``owners``: the module repeating them);
+  (``dataflow.stacked``), or into new leading dims (Gemma 3n's AltUp), as a broadcast the partitioner keeps
+  split (``owners``: the module repeating them);
 - ``getitem``: torch_xla 2.9 raises ``Value out of range`` for a slice bound past a dimension
   (``x[..., -4095:, :]`` on 16 rows, which transformers' sliding-window caches do in the attention
   module), where the CPU clamps: retried clamped.
@@ -217,12 +218,18 @@ def _getitem(self: torch.Tensor, index: Any) -> Any:
 
 
 def _repeat(x: Any, *sizes: Any) -> Any:
-    """``x.repeat(n, 1, ...)`` (copies along dimension 0 only) as a broadcast and a reshape: the same values;
-    torch_xla lowers ``repeat`` to a concatenation, which GSPMD lays out with all-to-alls when the copies
-    are split over one axis and their rows over another (the tokens of stacked experts, ``dataflow.stacked``)."""
+    """``x.repeat(n, 1, ...)`` (copies along dimension 0 only) as a broadcast and a reshape, and
+    ``x.repeat(n, 1, ..., 1)`` that stacks copies in new leading dims (Gemma 3n's AltUp:
+    ``innovation.repeat(2, 1, 1, 1)``) as the broadcast it is: the same values. torch_xla lowers ``repeat``
+    to a concatenation, which GSPMD lays out with all-to-alls when the copies are split over one axis and
+    their rows over another (the tokens of stacked experts, ``dataflow.stacked``), or when ``x``'s batch is
+    split (AltUp)."""
     sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
-    if not _is_xla(x) or len(sizes) != x.dim() or x.dim() == 0 or any(int(s) != 1 for s in sizes[1:]):
+    new = len(sizes) - x.dim() if isinstance(x, torch.Tensor) else -1
+    if not _is_xla(x) or x.dim() == 0 or new < 0 or any(int(s) != 1 for s in sizes[new + (new == 0):]):
         return NotImplemented
+    if new:
+        return x.expand(*sizes[:new], *x.shape).clone()
     n = int(sizes[0])
     return x.unsqueeze(0).expand(n, *x.shape).reshape(n * x.shape[0], *x.shape[1:])
 
@@ -267,3 +274,4 @@ HANDLERS: dict[Callable[..., Any], Callable[..., Any]] = {
 ATTENTION_OPS = frozenset({"scaled_dot_product_attention", "multi_head_attention_forward", "layer_norm", "where",
                            "nonzero"})
 WEIGHT_OPS = frozenset({"linear", "addmm", "matmul", "embedding"})
+REPEAT = "repeat"  # owned where it stacks copies in new leading dims (``_repeat``), or of stacked experts' tokens

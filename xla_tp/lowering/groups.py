@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from ..state import drop_implied_output, ensure_param_state, param_state
-from . import context, scope
+from . import context, copies, scope
+from .packed import packing_of
 
 
 class GroupedLinear(torch.autograd.Function):
@@ -89,7 +90,8 @@ class ColumnGroup:
 
     def _compute(self, x: torch.Tensor, mods: list[nn.Linear]) -> None:
         if x.device.type == "xla":
-            outputs = GroupedLinear.apply(self.tp, x, *[t for m in mods for t in (m.weight, m.bias)])
+            params = [copies.summed(t, packing_of(t)) for m in mods for t in (m.weight, m.bias)]  # copied blocks
+            outputs = GroupedLinear.apply(self.tp, x, *params)
         else:  # torchax: JAX differentiates the forward, so the forward itself is one contraction
             outputs = stacked_linear(self.tp, x, [m.weight for m in mods], [m.bias for m in mods])
         self._x, self._outputs = x, {id(m.weight): (m.weight, m.bias, y) for m, y in zip(mods, outputs)}
@@ -116,8 +118,9 @@ def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 
 def groupable(module: nn.Module, tp: int) -> bool:
-    """An ``nn.Linear`` whose output rows ``tp`` divides (the group lays them out device-major)."""
-    return isinstance(module, nn.Linear) and module.out_features % tp == 0
+    """An ``nn.Linear`` whose output rows ``tp`` divides (the group lays them out device-major; a re-laid packed
+    weight's as laid out)."""
+    return isinstance(module, nn.Linear) and module.weight.shape[0] % tp == 0
 
 
 def install_group(members: Sequence[nn.Linear], tp: int) -> ColumnGroup:

@@ -8,7 +8,8 @@ kept 4-D) or embed patches (``patchify``: an einsum), the ``sites``, it also rea
 copies (``copies``) and the packed outputs. A projection whose weight was re-laid device-major (``packed``) has its output
 tagged (by ``entry``'s ``linear``/``addmm``); the model's own ``split``/``chunk``/slicing of it then
 gets each block read in place
-(``packed.pieces``), views that keep the last dim keep the tag, and any other use of the tagged
+(``packed.pieces``), views that keep the last dim keep the tag, a view into heads is read by its heads
+(``packed.heads_view``: Falcon's ``qkv.view(b, s, heads + 2, d)[..., [-2], :]``), and any other use of the tagged
 output gets the original order back (with one warning naming the op: it moves data). Example::
 
     with active():            # what scope's hooks do around a site's forward
@@ -26,7 +27,7 @@ import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
 from . import bmm, channels, copies, packed, patchify, transposed
-from .entry import GETITEM, HANDLERS as OWNED
+from .entry import GETITEM, HANDLERS as ENTRY
 
 
 
@@ -69,12 +70,19 @@ class Lowering(TorchFunctionMode):
         packing = packed.tag_of(tensor)
         if _metadata(func):
             return func(*args, **kwargs)
+        if isinstance(packing, packed.Heads):  # a view into heads: its heads taken by the model's slicing
+            heads = _heads_range(func, args, tensor, packing.packing.size // packing.head)
+            out = None if heads is None else packed.heads_piece(tensor, packing, *heads)
+            return out if out is not None else self._fallback(func, args, kwargs)
         if channels.follows(func, tensor):  # features moved off the last dim, as a convolution's channels
             out = channels.follow(func, args, kwargs, tensor, packing)
             if out is not NotImplemented:
                 return out
         if func in _RESHAPES:  # features split into the packing's blocks, then heads: read in place
-            out = packed.blocks_view(tensor, packing, _view_shape(args, kwargs, tensor))
+            shape = _view_shape(args, kwargs, tensor)
+            out = packed.blocks_view(tensor, packing, shape)
+            if out is None:
+                out = packed.heads_view(tensor, packing, shape)
             if out is not None:
                 return out
         if packing.padded and func in _RESHAPES:  # the model's own sizes name the original features
@@ -201,6 +209,25 @@ def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor, n: int) -> O
     return None
 
 
+def _heads_range(func, args: tuple, t: torch.Tensor, n: int) -> Optional[tuple[int, int]]:
+    """The heads ``[start, stop)`` of ``n`` (original numbering) that ``t[..., a:b, :]`` or ``t[..., [i], :]``
+    takes from a heads view ``t``, else None."""
+    if not _is_getitem(func):
+        return None
+    index = args[1] if isinstance(args[1], tuple) else (args[1],)
+    if Ellipsis in index:
+        i = index.index(Ellipsis)
+        index = index[:i] + (slice(None),) * (t.dim() - len(index) + 1) + index[i + 1:]
+    if len(index) != t.dim() or any(i != slice(None) for i in (*index[:-2], index[-1])):
+        return None
+    heads = index[-2]
+    if isinstance(heads, list) and len(heads) == 1 and isinstance(heads[0], int) and -n <= heads[0] < n:
+        return heads[0] % n, heads[0] % n + 1
+    if isinstance(heads, slice) and heads.step in (None, 1):
+        return _bound(heads.start, 0, n), _bound(heads.stop, n, n)
+    return None
+
+
 def _bound(i: Optional[int], default: int, n: int) -> int:
     """A slice bound on a dimension of ``n`` as ``slice.indices`` gives it (step 1), which dynamo cannot trace."""
     if i is None:
@@ -235,7 +262,10 @@ def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
     return {func: first(handlers) for func, handlers in funcs.items()}
 
 
-IN_SITE = _first(OWNED, copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS)
+# an owner's ``x @ w.T`` (Falcon's ``FalconLinear`` in its MLP) is its ``F.linear`` there too (column groups)
+OWNED = _first(ENTRY, transposed.HANDLERS)
+# copies first: they act on copied keys/values only, which entry's ``x[index]`` would take as any tensor
+IN_SITE = _first(copies.HANDLERS, ENTRY, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _ELEMENTWISE = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.add, torch.Tensor.add,
                 torch.Tensor.__add__, torch.Tensor.__radd__, torch.sub, torch.Tensor.sub, torch.Tensor.__sub__,

@@ -3,7 +3,7 @@
 A module owns a rewrite when its own forward calls a torch function ``entry`` rewrites on what the
 rewrite concerns: attention (``scaled_dot_product_attention``, a 4-D ``matmul``, ``nn.MultiheadAttention``'s
 ``multi_head_attention_forward``), ``layer_norm``, an expert pick (``where``/``nonzero`` in a selection
-site), the ``repeat`` of split stacked experts' tokens (``dataflow.stacked``), or a projection or lookup of a parameter xla_tp marked (a column group's member, a tied head, a
+site), the ``repeat`` of split stacked experts' tokens (``dataflow.stacked``) or into new leading dims, or a projection or lookup of a parameter xla_tp marked (a column group's member, a tied head, a
 re-laid packed weight, a vocabulary table). ``find_owners`` reads that from the model's trace (each call
 knows the innermost module that made it, and each module the one that called it). ``install`` gives each
 owner its rewrite the cheapest way that sees the call:
@@ -39,7 +39,7 @@ from ..state import ModelState, all_states, param_state, record_of
 from . import context, scope
 from ..weak import ByModule
 from .embedding import lookup
-from .entry import ATTENTION_OPS, WEIGHT_OPS, linear as entry_linear
+from .entry import ATTENTION_OPS, REPEAT, WEIGHT_OPS, linear as entry_linear
 from .mode import active
 
 
@@ -88,6 +88,8 @@ def find_owners(root: nn.Module, graph: Optional[Graph], selection_sites: tuple[
             if kind == "attention" and through_interface(modules.get(node.module)):
                 kind = TRANSFORMERS_ATTENTION
             kinds.setdefault(node.module, set()).add(kind)
+        elif node.op == REPEAT and node.outputs and len(node.outputs[0].shape) > len(node.tensors[0].shape):
+            kinds.setdefault(node.module, set()).add("repeats")
         elif node.op in WEIGHT_OPS and (_owned_weight(node, params) or context and node.op == "linear"):
             plain = _PLAIN_FORWARDS.get(type(modules.get(node.module)).forward)
             kinds.setdefault(node.module if plain else _caller(graph, node), set()).add(

@@ -24,6 +24,7 @@ True
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 from ..plan.packing import Packing
 from ..state import ensure_param_state, param_state
 from .tags import Tag
-from .copies import copied_block
+from .copies import copied_block, copied_head
 
 _TAG = Tag("packed_output")  # on a re-laid projection's output during a forward: its Packing
 
@@ -153,9 +154,45 @@ def blocks_view(y: torch.Tensor, packing: Packing, shape: tuple[int, ...]) -> Op
     return blocks.reshape(*shape[:lead], n, *rest)
 
 
-def unpermute(y: torch.Tensor, packing: Packing) -> torch.Tensor:
+@dataclass(frozen=True)
+class Heads:
+    """The tag of a re-laid output viewed as heads of ``head`` features (``heads_view``)."""
+
+    packing: Packing
+    head: int
+
+
+def heads_view(y: torch.Tensor, packing: Packing, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+    """``y.view(*lead, heads, head)`` in the original order (Falcon's multi-query ``qkv.view(b, s, heads + 2, d)``),
+    kept device-major as ``[..., laid / head, head]`` and tagged ``Heads`` for the slicing of its heads
+    (``heads_piece``); None if ``shape`` is not such a view (each block and each device's share whole heads,
+    nothing padded)."""
+    lead = y.dim() - 1
+    if packing.padded or len(shape) != lead + 2 or tuple(shape[:lead]) != tuple(y.shape[:lead]):
+        return None
+    head = shape[-1]
+    if shape[-2] * head != packing.size or any(n % head for _, n in packing.blocks) or (packing.laid_size // packing.tp) % head:
+        return None
+    return _TAG.put(y.unflatten(-1, (packing.laid_size // head, head)), Heads(packing, head))
+
+
+def heads_piece(y: torch.Tensor, heads: Heads, start: int, stop: int) -> Optional[torch.Tensor]:
+    """Heads ``[start, stop)`` of a ``heads_view`` (original numbering) if they are whole blocks, read in place;
+    a copied block of one head as ``[..., 1, head]`` carrying its copies (``copies.copied_head``)."""
+    packing, d = heads.packing, heads.head
+    flat = y.flatten(-2)
+    i = next((i for i, b in enumerate(packing.blocks) if b == (start * d, (stop - start) * d)), None)
+    if i in packing.whole and stop - start == 1:
+        return copied_head(block(flat, packing, i))
+    got = pieces(flat, packing, [(start * d, stop * d)])
+    return None if got is None else got[0].unflatten(-1, (-1, d))
+
+
+def unpermute(y: torch.Tensor, packing: Packing | Heads) -> torch.Tensor:
     """A re-laid output back in the original feature order, padding dropped (moves data: only for uses
     xla_tp cannot see)."""
+    if isinstance(packing, Heads):
+        return unpermute(y.flatten(-2), packing.packing).unflatten(-1, (-1, packing.head))
     return torch.cat([block(y, packing, i).mean(-2) if i in packing.whole else block(y, packing, i)[..., :n]
                       for i, (_, n) in enumerate(packing.blocks)], dim=-1)
 
@@ -195,7 +232,10 @@ def run(y: torch.Tensor, packing: Packing, indices: range) -> torch.Tensor:
 
 def packed_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:
     """A packed weight's ``n`` equal blocks along dim 0 (re-laid or not), each ``[size / n, ...]``."""
-    packing = packing_of(t)
-    if packing is None:
-        return list(t.chunk(n, 0))
-    return [block(t.movedim(0, -1), packing, i).movedim(-1, 0) for i in range(n)]
+    return [b.movedim(-1, 0) for b in output_blocks(t.movedim(0, -1), packing_of(t), n)]
+
+
+def output_blocks(y: torch.Tensor, packing: Optional[Packing], n: int) -> list[torch.Tensor]:
+    """The ``n`` equal blocks of ``y``'s last dim, the output of a packed projection re-laid as ``packing`` (or
+    in its original order: None), each read in place."""
+    return list(y.chunk(n, -1)) if packing is None else [block(y, packing, i) for i in range(n)]

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 
 from ..dataflow.graph import Graph
-from ..dataflow.regions import projections
+from ..dataflow.regions import Projection, projections
 from ..state import ParamSharding, record_of
 from ..plan.layout import Layout, spec_axes
 from .embedding import lowerable
@@ -43,12 +43,17 @@ def find_groups(model: nn.Module, layout: Layout, tp: int, graph: Graph) -> list
     by_input: dict[int, list[str]] = {}
     for p in projections(graph):
         fqn = p.node.module
-        if p.node.op != "linear" or not groupable(modules.get(fqn), tp) or not _rows_split(layout, fqn):
+        if not _reads_rows(p) or not groupable(modules.get(fqn), tp) or not _rows_split(layout, fqn):
             continue
         members = by_input.setdefault(p.node.tensors[0].index, [])
         if fqn not in members:
             members.append(fqn)
     return [g for g in by_input.values() if len(g) > 1]
+
+
+def _reads_rows(p: Projection) -> bool:
+    """``F.linear(x, w)``, or ``x @ w.T`` (Falcon's ``FalconLinear``), which the lowering takes as one."""
+    return p.node.op == "linear" or (p.node.op == "matmul" and p.out_dims == (0,) and p.in_dims == (1,))
 
 
 def vocab_tables(model: nn.Module, layout: Layout, tp: int) -> list[tuple[str, nn.Embedding, ParamSharding]]:

@@ -156,8 +156,25 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
             roles.set(region.projection.weight, _replicated(region.projection.weight, why))
             if region.projection.bias is not None:
                 roles.set(region.projection.bias, _replicated(region.projection.bias, why))
+    _whole_blocks(roles)
     roles.whole_attention = whole_attention(graph, regions, covered, reasons)
     return roles
+
+
+def _whole_blocks(roles: Roles) -> None:
+    """Every weight of a block one of whose weights stays replicated because its uses disagree (Gemma 3n's
+    ``altup.modality_router``, split before ``prediction_coefs`` in one use, whole in another) replicated too:
+    a row projection contracting a replicated input would only pad it and all-reduce what each device has."""
+    for block in roles.blocks:
+        whole = next((n for n in sorted(block) if roles.params[n].why.endswith("the uses disagree")), None)
+        if whole is None:
+            continue
+        for name in block - {whole}:
+            role = roles.params[name]
+            if role.kind != "replicated":
+                roles.params[name] = ParamRole("replicated", (None,) * len(role.axes),
+                                               f"in one block with {whole}, whose uses disagree: computed whole")
+        roles.groups = [g for g in roles.groups if not set(g) & block]
 
 
 def _replicated(v: Value, why: str) -> ParamRole:
