@@ -360,10 +360,14 @@ def _split_per_block(value: Value, feats: Features) -> bool:
 
 def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Node) -> bool:
     """Take the block ``window`` (and everything derived from it) out of the split, to be copied to every
-    device; False if it cannot be (a row projection already contracts part of it). A part of a block sliced
-    off the packed output (the halves of Falcon's key head that rotary embeddings take) copies that whole block."""
+    device; False if it cannot be (a row projection already contracts part of it). A half of a block sliced
+    off the packed output (the halves of Falcon's key head that rotary embeddings take) copies that whole
+    block; a block that is a smaller part of the one it was sliced with (Mamba2's B of ``[x | B | C]``) is
+    copied alone."""
     whole = (region.projection.features.base, region.projection.features.span)
-    window = max((w for w in region.windows if w != whole and _within(window, w)), key=lambda w: w[1], default=window)
+    outer = min((w for w in region.windows if w not in (whole, window) and _within(window, w)), key=lambda w: w[1],
+                default=window)
+    window = outer if outer[1] <= 2 * window[1] else window
     inside = lambda w: _within(w, window)  # noqa: E731
     if any(inside(w) for w in region.row_windows.values()):
         return False
