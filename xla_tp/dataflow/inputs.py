@@ -84,6 +84,8 @@ def _images(model: nn.Module, config: Any, tokens: torch.Size) -> dict[str, torc
         return {"pixel_values": _main_input(model, vision, "pixel_values")}
     side = 2 * (_declared(vision, "spatial_merge_size") or 1)
     patch = _declared(vision, "patch_size")
+    if not isinstance(patch, int):
+        raise MadeUpInputError(f"{type(model).__name__}'s vision config declares no patch_size to make patches of")
     width = (_declared(vision, "in_channels") or _declared(vision, "num_channels") or 3) * patch * patch * (
         _declared(vision, "temporal_patch_size") or 1)
     return {"pixel_values": torch.zeros(tokens[0] * side * side, width),
