@@ -132,7 +132,7 @@ def test_a_vision_language_models_text_and_image_calls(mesh):
 
 
 @pytest.mark.complete
-def test_a_qwen2_vl_s_tower_of_flattened_patches_is_planned_and_its_image_call_computes_the_cpu_s(mesh):
+def test_qwen2_vl_a_vision_tower_of_flattened_patches_planned_and_its_text_and_image_calls(mesh):
     """Qwen2-VL by "auto" with no example input: its tower takes flattened patches and a grid whose values it
     reads on the host (``.tolist()``), which the trace keeps real, so the tower's attention, MLPs and merger are
     split. A text call and an image call by keyword (as its processor makes it: ``mm_token_type_ids``) compute what

@@ -6,7 +6,9 @@ or already on the XLA device traces the same way and is left exactly as it was. 
 ``TorchFunctionMode`` records every call with its module scope. transformers recognises fake
 tensors and skips its data-dependent checks. Without ``example_inputs`` an input is synthesised from
 what the model declares (``inputs.synthesize``: a Hugging Face model's main input and config, else
-token ids, images or floats for its first layer). Example:
+token ids, images or floats for its first layer); the integer inputs of a made-up image call beside the tokens
+(a vision tower's grid of patches, which the model reads on the host with ``.tolist()``) stay real tensors,
+and what is computed from them alone (or from numbers) runs for real. Example:
 
 >>> graph = trace(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)))
 >>> [(n.op, n.module) for n in graph.nodes]
