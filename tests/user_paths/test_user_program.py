@@ -132,8 +132,9 @@ def test_a_vision_language_models_text_and_image_calls(mesh):
 
 
 @pytest.mark.complete
-def test_qwen2_vl_a_vision_tower_of_flattened_patches_planned_and_its_text_and_image_calls(mesh):
-    """Qwen2-VL by "auto" with no example input: its tower takes flattened patches and a grid whose values it
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_qwen_vl_a_vision_tower_of_flattened_patches_planned_and_its_text_and_image_calls(version, mesh):
+    """Qwen2-VL and Qwen2.5-VL by "auto" with no example input: its tower takes flattened patches and a grid whose values it
     reads on the host (``.tolist()``), which the trace keeps real, so the tower's attention, MLPs and merger are
     split. A text call and an image call by keyword (as its processor makes it: ``mm_token_type_ids``) compute what
     the CPU model does, every device its share (the patches split over data with the batch). The text call has
@@ -141,12 +142,14 @@ def test_qwen2_vl_a_vision_tower_of_flattened_patches_planned_and_its_text_and_i
     patches), which run as one batch of images, so no chunk moves; what moves over data is small: the tower's
     rotary positions, which the model builds image by image and concatenates (a few integers: all-to-all), its
     features, which it splits per image and concatenates again (collective-permute, all-to-all), and the
-    placement's one count per batch row (the one all-gather)."""
-    cpu, inputs = hf_tiny.tiny_qwen2_vl()
+    placement's one count per batch row (the one all-gather). Qwen2.5-VL's tower reorders its patches into
+    windows by an index the host holds, within each image: within each data shard (no all-reduce over data)."""
+    cpu, inputs = hf_tiny.tiny_qwen_vl(version)
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     specs = xla_tp.layout_of(model).params
-    for name in ("blocks.0.attn.qkv", "blocks.0.attn.proj", "blocks.1.mlp.fc1", "blocks.1.mlp.fc2", "merger.mlp.0",
-                 "merger.mlp.2"):
+    mlp = ("fc1", "fc2") if version == "2" else ("up_proj", "down_proj")
+    for name in ("blocks.0.attn.qkv", "blocks.0.attn.proj", f"blocks.1.mlp.{mlp[0]}", f"blocks.1.mlp.{mlp[1]}",
+                 "merger.mlp.0", "merger.mlp.2"):
         assert "model" in specs[f"model.visual.{name}.weight"], (name, specs)
     for call in ({"input_ids": inputs["input_ids"]}, inputs):  # text, then images
         found = collectives_of(_checked_call(model, cpu, call, mesh))

@@ -1,15 +1,20 @@
 """Attention run one chunk of a sequence at a time: the modules whose forward splits its queries, keys and
 values along one dimension, gives the ``i``-th chunk of each to the ``i``-th attention call, and concatenates
 the calls' outputs in order (Qwen2-VL's vision tower: one image at a time, its chunks ``cu_seqlens``' lengths,
-read on the host). Chunks of equal length are then a batch of chunks (``lowering.chunks``). Example::
+read on the host). Chunks of equal length are then a batch of chunks (``lowering.chunks``). And the modules that
+reorder an activation's rows by an index (``x[index]``: Qwen2.5-VL's tower puts each image's patches in windows),
+which keeps them split when the index moves no row out of its block (``lowering.chunks``). Example::
 
     per_chunk_attention(graph)    # {'model.visual.blocks.0.attn', 'model.visual.blocks.1.attn'}
+    reordered_rows(graph)         # {'model.visual'}
 """
 from __future__ import annotations
 
 from typing import Optional
 
-from .graph import Graph, Node
+import torch
+
+from .graph import Graph, Node, Value
 
 SPLITS = ("split", "split_with_sizes")
 ATTENTION = "scaled_dot_product_attention"
@@ -50,3 +55,17 @@ def _through_layout(node: Node) -> Optional[tuple[Node, int]]:
         if node.op not in _LAYOUT:
             return node, pos
     return None
+
+
+def reordered_rows(graph: Graph) -> set[str]:
+    """The modules of ``graph`` whose own forward reorders an activation's rows by a 1-D integer index
+    (``x[index]``, ``x[index, :, :]``)."""
+    return {n.module for n in graph.nodes if n.op == "getitem" and len(n.tensors) == 2 and n.tensors[0].kind == "act"
+            and _rows_index(n.args[1] if len(n.args) > 1 else None)}
+
+
+def _rows_index(index) -> bool:
+    first = index[0] if isinstance(index, tuple) and index else index
+    rest = index[1:] if isinstance(index, tuple) else ()
+    return (isinstance(first, Value) and len(first.shape) == 1 and not first.dtype.is_floating_point
+            and first.dtype is not torch.bool and all(r == slice(None) for r in rest))

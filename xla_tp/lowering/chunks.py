@@ -4,7 +4,10 @@ values ``[1, heads, patches, dim]`` into the images' chunks and loops over them.
 the data axis with the batch; a chunk of that dimension cannot stay split (GSPMD moves every chunk between
 devices), a batch of chunks can: ``split`` into ``n`` equal chunks gives one chunk ``[n, heads, length, dim]``,
 which the model's loop gives to its attention once and ``cat`` takes back, in the same order. Chunks of other
-lengths are split as they are. Example::
+lengths are split as they are. Likewise rows reordered by an index the host holds (``x[index]``: Qwen2.5-VL's
+tower puts each image's patches in windows, its index made on the CPU) that moves no row out of its block of the
+batch split: a gather within each block, which stays split (``x[index]`` itself gathers every row everywhere).
+Example::
 
     install_chunks(model, graph)   # hooks around each module per_chunk_attention(graph) names
 """
@@ -16,10 +19,12 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..dataflow.chunks import per_chunk_attention
+from ..batch import ways
+from ..dataflow.chunks import per_chunk_attention, reordered_rows
 from ..dataflow.graph import Graph
 from ..weak import ByModule
 from . import scope
+from .entry import GETITEM
 
 _SPLITS = (torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes)
 
@@ -40,14 +45,52 @@ def batched(x: Any, sizes: Any, dim: int = 0) -> Optional[tuple[torch.Tensor]]:
     return (x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).squeeze(1),)
 
 
+def blocked(x: torch.Tensor, index: Any, blocks: int) -> Optional[torch.Tensor]:
+    """``x[index]`` as a gather within each of ``blocks`` blocks of rows, when ``index`` is a 1-D integer tensor
+    on the CPU (optionally followed by whole slices) that maps every block of rows into itself (None otherwise).
+
+    >>> x = torch.arange(8.).view(4, 2)
+    >>> torch.equal(blocked(x, torch.tensor([1, 0, 3, 2]), 2), x[torch.tensor([1, 0, 3, 2])])
+    True
+    >>> blocked(x, torch.tensor([2, 0, 3, 1]), 2) is None
+    True
+    """
+    first, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
+    if (blocks < 2 or not isinstance(first, torch.Tensor) or first.device.type != "cpu" or first.dim() != 1
+            or first.dtype in (torch.bool, *_FLOATS) or any(r != slice(None) for r in rest)
+            or first.numel() != x.shape[0] or x.shape[0] % blocks):
+        return None
+    rows = x.shape[0] // blocks
+    block = torch.arange(x.shape[0]) // rows
+    if not torch.equal(first // rows, block):
+        return None
+    local = (first - block * rows).view(blocks, rows, *(1,) * (x.dim() - 1)).to(x.device)
+    within = x.reshape(blocks, rows, *x.shape[1:])
+    return torch.gather(within, 1, local.expand(within.shape)).reshape(x.shape)
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 class _Batched(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _SPLITS and scope.lowering() and args and args[0].device.type in ("xla", "jax"):
+        on_device = scope.lowering() and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "xla"
+        out = None
+        if on_device and func in _SPLITS:
             out = batched(*args, **kwargs)
-            if out is not None:
-                return out
-        return func(*args, **kwargs)
+        elif on_device and func is GETITEM and len(args) == 2:
+            out = blocked(args[0], args[1], _batch_ways())
+        return func(*args, **kwargs) if out is None else out
+
+
+def _batch_ways() -> int:
+    """Devices the running model splits its batch over."""
+    state = scope.current()
+    if state is None:
+        return 1
+    sizes = dict(zip(getattr(state.mesh, "axis_names", ()), (int(n) for n in getattr(state.mesh, "mesh_shape", ()))))
+    return ways(tuple(state.layout.batch_axes), sizes)
 
 
 _installed: ByModule[tuple[Any, ...]] = ByModule()
@@ -55,8 +98,8 @@ _installed: ByModule[tuple[Any, ...]] = ByModule()
 
 def install_chunks(root: nn.Module, graph: Graph) -> None:
     """The chunks of each module of ``root`` whose traced forward (``graph``) runs attention per chunk
-    batched while it runs."""
-    for fqn in per_chunk_attention(graph):
+    batched, and the rows it reorders by an index reordered within blocks, while it runs."""
+    for fqn in per_chunk_attention(graph) | reordered_rows(graph):
         module = root.get_submodule(fqn)
         _installed[module] = _hooks(module)
 
