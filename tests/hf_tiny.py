@@ -53,6 +53,30 @@ def tiny_llava(seed: int = 0) -> tuple[T.LlavaForConditionalGeneration, dict[str
     return model.eval(), {"input_ids": ids, **_pixels()}
 
 
+def tiny_qwen_vl(version: str = "2", seed: int = 0) -> tuple[T.PreTrainedModel, dict[str, torch.Tensor]]:
+    """A Qwen2-VL or (``version`` "2.5") Qwen2.5-VL (its own tower: 2 blocks of 8 heads, 4x4 patches of 2 frames,
+    merged 2x2; 2.5's first block attends within windows of 2x2 merged patches; a Qwen2 of ``LLAMA`` with M-RoPE)
+    in eval mode, and an image call by keyword as its processor makes it: 4 images of 4x4 patches (``pixel_values``
+    flattened, ``image_grid_thw``), each taking 4 placeholder tokens in 16, ``mm_token_type_ids``."""
+    torch.manual_seed(seed)
+    image = LLAMA["vocab_size"] - 1
+    text = dict(LLAMA, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]})
+    vision = dict(depth=2, hidden_size=64, num_heads=8, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                  in_channels=3)
+    tokens = dict(image_token_id=image, video_token_id=image - 1, vision_start_token_id=image - 2,
+                  vision_end_token_id=image - 3)
+    if version == "2":
+        model = T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(
+            text_config=text, vision_config=dict(vision, embed_dim=64, mlp_ratio=2), **tokens))
+    else:
+        model = T.Qwen2_5_VLForConditionalGeneration(T.Qwen2_5_VLConfig(text_config=text, vision_config=dict(
+            vision, out_hidden_size=64, intermediate_size=128, window_size=16, fullatt_block_indexes=[1]), **tokens))
+    ids = torch.randint(4, image - 3, (4, 16))
+    ids[:, 1], ids[:, 2:6], ids[:, 6] = image - 2, image, image - 3
+    return model.eval(), {"input_ids": ids, "pixel_values": torch.randn(4 * 16, 3 * 2 * 4 * 4),
+                          "image_grid_thw": torch.tensor([[1, 4, 4]] * 4), "mm_token_type_ids": (ids == image).int()}
+
+
 def build(name: str, seed: int = 0) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """``(model in eval mode, its inputs by keyword)`` on the CPU, the same for a seed."""
     torch.manual_seed(seed)

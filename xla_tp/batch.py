@@ -13,6 +13,9 @@ positions), GSPMD moves the mask between devices. (Labels left to the compiler a
 sequence split: with one row of batch, GSPMD partitions transformers' ``F.pad(labels, (0, 1))[..., 1:]``
 shift as if unshifted, reading each token's own id.)
 
+A vision tower's patches flattened into rows beside the grid listing its images (``pixel_values`` with
+``image_grid_thw``: Qwen2-VL) are split as the batch too when their rows are a multiple of it.
+
 The batch is split over the batch axes (``data``, ``fsdp``, ``expert``) when it divides their
 devices. When it does not, the next best split is taken: the largest group of those axes it
 divides (``data=2 x fsdp=2`` with a batch of 6 splits over ``data`` alone), else none, and
@@ -36,6 +39,7 @@ import torch
 
 POSITION_ONLY = ("cache_position",)  # Hugging Face inputs that position a sequence and never carry the batch
 LIKE_MAIN = ("labels",)               # integer inputs split as the main input: they meet its outputs
+PATCHES = {"pixel_values": "image_grid_thw", "pixel_values_videos": "video_grid_thw"}  # flattened patches, their grid
 
 
 def main_input(args: tuple, kwargs: Mapping[str, Any], name: Optional[str]) -> Optional[torch.Tensor]:
@@ -55,8 +59,15 @@ def batch_inputs(args: tuple, kwargs: Mapping[str, Any],
     size = main.shape[0]
     for key, x in itertools.chain(enumerate(args), kwargs.items()):
         side = _batched(x) and x.shape[0] == size and key not in POSITION_ONLY
-        if x is main or side and (x.is_floating_point() or key in LIKE_MAIN):
+        if x is main or side and (x.is_floating_point() or key in LIKE_MAIN) or _patches(key, x, size, kwargs):
             yield key, x
+
+
+def _patches(key: Union[int, str], x: Any, size: int, kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``x`` is the images' patches flattened into rows beside the grid that lists them (Qwen2-VL's
+    ``pixel_values`` and ``image_grid_thw``), as many rows for every sample: the images of a batch row stay
+    with it (their tower's rows split as the batch) when the rows are a multiple of the batch."""
+    return key in PATCHES and PATCHES[key] in kwargs and _batched(x) and x.shape[0] % size == 0
 
 
 def batch_split(size: int, axes: tuple[str, ...], sizes: Mapping[str, int]) -> tuple[str, ...]:

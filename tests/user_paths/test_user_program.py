@@ -95,6 +95,20 @@ def test_the_users_call_splits_the_batch_and_the_audit_reads_its_program(name, h
         assert max_err(out.last_hidden_state.cpu(), cpu(**inputs).last_hidden_state) < 1e-4
 
 
+def _checked_call(model: nn.Module, cpu: nn.Module, call: dict, mesh) -> str:
+    """The program of ``call`` on ``model``, checked: the CPU model's logits, balance <= 1.10, the audit reads
+    that program, parameters per device <= 1.15 of the ideal."""
+    out = model(**on_device(call))
+    text = partitioned(outputs(out))
+    with torch.no_grad():
+        assert max_err(out.logits.cpu(), cpu(**call).logits) < 1e-4, list(call)
+    assert balance_of(text, cpu, call) <= 1.10, list(call)
+    report = xla_tp.audit(model, mesh=mesh, **on_device(call))
+    assert_audit_reads_the_program(report, text)
+    assert report.param_memory_ratio <= 1.15, list(call)
+    return text
+
+
 @pytest.mark.complete
 def test_a_vision_language_models_text_and_image_calls(mesh):
     """Llava by "auto" with no example input: its trace is made with images, so the vision tower and projector
@@ -109,19 +123,39 @@ def test_a_vision_language_models_text_and_image_calls(mesh):
     assert "model" in specs["model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"], specs
     assert "model" in specs["model.multi_modal_projector.linear_1.weight"], specs
     for call in ({"input_ids": inputs["input_ids"][:, 18:]}, inputs):  # text, then images
-        out = model(**on_device(call))
-        text = partitioned(outputs(out))
-        with torch.no_grad():
-            assert max_err(out.logits.cpu(), cpu(**call).logits) < 1e-4, list(call)
-        assert balance_of(text, cpu, call) <= 1.10, list(call)
-        report = xla_tp.audit(model, mesh=mesh, **on_device(call))
-        assert_audit_reads_the_program(report, text)
-        assert report.param_memory_ratio <= 1.15, list(call)  # the language model's key/value heads split too
+        text = _checked_call(model, cpu, call, mesh)  # the language model's key/value heads split too
     found = collectives_of(text)  # the image call's
     assert set(found) == {"all-reduce", "all-gather", "collective-permute"}, found
     assert found["all-gather"] == (1, 4 * 4) and found["collective-permute"][0] <= 2, found
     tower = model.model.vision_tower(pixel_values=inputs["pixel_values"].to(DEVICE), output_hidden_states=True)
     assert len(tower.hidden_states) == 1 + VISION_LAYERS
+
+
+@pytest.mark.complete
+@pytest.mark.parametrize("version", ["2", "2.5"])
+def test_qwen_vl_a_vision_tower_of_flattened_patches_planned_and_its_text_and_image_calls(version, mesh):
+    """Qwen2-VL and Qwen2.5-VL by "auto" with no example input: its tower takes flattened patches and a grid whose values it
+    reads on the host (``.tolist()``), which the trace keeps real, so the tower's attention, MLPs and merger are
+    split. A text call and an image call by keyword (as its processor makes it: ``mm_token_type_ids``) compute what
+    the CPU model does, every device its share (the patches split over data with the batch). The text call has
+    the layers' all-reduces only. The tower's attention loops over the images (``cu_seqlens`` chunks of the
+    patches), which run as one batch of images, so no chunk moves; what moves over data is small: the tower's
+    rotary positions, which the model builds image by image and concatenates (a few integers: all-to-all), its
+    features, which it splits per image and concatenates again (collective-permute, all-to-all), and the
+    placement's one count per batch row (the one all-gather). Qwen2.5-VL's tower reorders its patches into
+    windows by an index the host holds, within each image: within each data shard (no all-reduce over data)."""
+    cpu, inputs = hf_tiny.tiny_qwen_vl(version)
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    specs = xla_tp.layout_of(model).params
+    mlp = ("fc1", "fc2") if version == "2" else ("up_proj", "down_proj")
+    for name in ("blocks.0.attn.qkv", "blocks.0.attn.proj", f"blocks.1.mlp.{mlp[0]}", f"blocks.1.mlp.{mlp[1]}",
+                 "merger.mlp.0", "merger.mlp.2"):
+        assert "model" in specs[f"model.visual.{name}.weight"], (name, specs)
+    for call in ({"input_ids": inputs["input_ids"]}, inputs):  # text, then images
+        found = collectives_of(_checked_call(model, cpu, call, mesh))
+        kinds = {"all-reduce"} if len(call) == 1 else {"all-reduce", "all-gather", "all-to-all", "collective-permute"}
+        assert set(found) <= kinds and "all-reduce" in found, (list(call), found)
+    assert found["all-gather"][0] == 1, found  # the placement's counts; not the attention's chunks
 
 
 def test_an_input_sharded_by_the_user_keeps_its_split(mesh):

@@ -10,8 +10,9 @@ A Hugging Face model names its main input (``main_input_name``) and its config t
 - ``input_values``: raw audio ``[2, 1600]``;
 - a diffusion transformer's latents, timestep and conditioning from its config (``denoisers``);
 - token ids and images for a model of tokens with a vision tower (``takes_images``): the images from its
-  ``vision_config``, so the tower is traced too (``trace`` falls back to tokens alone where the tower takes
-  another input, Qwen2-VL's flattened patches and grid).
+  ``vision_config``, so the tower is traced too; for a tower of flattened patches and their grid (Qwen2-VL),
+  those, the grid kept real in the trace (``host_values``: the tower reads it on the host; ``trace`` falls
+  back to tokens alone if the tower still does not run).
 
 Encoder-decoder models (``is_encoder_decoder``) also get ``decoder_input_ids`` of their decoder
 start token. Any other module gets token ids if its first layer is an embedding, images if it is a
@@ -53,7 +54,7 @@ def synthesize(model: nn.Module, images: bool = False) -> tuple[tuple, dict[str,
     if config is not None and isinstance(name, str):
         kwargs = {name: _main_input(model, config, name)}
         if images and takes_images(model):
-            kwargs["pixel_values"] = _main_input(model, config.vision_config, "pixel_values")
+            kwargs.update(_images(model, config, kwargs[name].shape))
         if getattr(config, "is_encoder_decoder", False) and _takes(model, "decoder_input_ids"):
             start = _first_int(config, "decoder_start_token_id", "pad_token_id", "bos_token_id")
             kwargs["decoder_input_ids"] = torch.full((BATCH, _seq(config)), start, dtype=torch.long)
@@ -75,6 +76,33 @@ def _main_input(model: nn.Module, config: Any, name: str) -> torch.Tensor:
         return torch.zeros(BATCH, SAMPLES)
     raise MadeUpInputError(f"{type(model).__name__}'s main input {name!r} is not one xla_tp can make up; pass "
                     f"example_inputs=(...) or call the parallelized model once (it is planned from that call)")
+
+
+def _images(model: nn.Module, config: Any, tokens: torch.Size) -> dict[str, torch.Tensor]:
+    """Images for the vision tower of a model of ``tokens``: ``[batch, channels, size, size]``, or, for a
+    tower that takes flattened patches and each image's grid of them (``image_grid_thw``: Qwen2-VL), one
+    image of ``[1, 2 * merge, 2 * merge]`` patches per sample, its M-RoPE positions (``[3, batch, seq]``;
+    without them the model reads each image's place from the tokens' values)."""
+    vision = config.vision_config
+    if not _takes(model, "image_grid_thw"):
+        return {"pixel_values": _main_input(model, vision, "pixel_values")}
+    side = 2 * (_declared(vision, "spatial_merge_size") or 1)
+    patch = _declared(vision, "patch_size")
+    if not isinstance(patch, int):
+        raise MadeUpInputError(f"{type(model).__name__}'s vision config declares no patch_size to make patches of")
+    width = (_declared(vision, "in_channels") or _declared(vision, "num_channels") or 3) * patch * patch * (
+        _declared(vision, "temporal_patch_size") or 1)
+    return {"pixel_values": torch.zeros(tokens[0] * side * side, width),
+            "image_grid_thw": torch.tensor([[1, side, side]] * tokens[0]),
+            "position_ids": torch.zeros(3, *tokens, dtype=torch.long)}
+
+
+def host_values(model: nn.Module, kwargs: Mapping[str, Any]) -> frozenset[str]:
+    """The inputs of a made-up call whose values the model reads on the host (a vision tower's grid of
+    patches: ``.tolist()``): its integer tensors beside the main input, which a trace keeps real."""
+    main = getattr(model, "main_input_name", None)
+    return frozenset(k for k, a in kwargs.items() if isinstance(a, torch.Tensor) and k != main
+                     and not a.is_floating_point())
 
 
 def takes_images(model: nn.Module) -> bool:

@@ -351,11 +351,16 @@ def _kept(rests: Optional[Rests], marks: list[tuple[tuple, dict[str, int]]], log
 def _split_per_block(value: Value, feats: Features) -> bool:
     """Whether every consumer of ``value`` takes a part of its leading factor (ModernBERT's
     ``qkv.view(b, s, 3, heads, d).unbind(-3)``, Falcon's multi-query ``qkv.view(b, s, heads + 2, d)[..., :-2, :]``
-    and ``[..., [-2], :]``): then that factor is a packing of blocks, not a number of heads the axis must
-    divide; each block's own heads are its granules."""
-    steps = [step(node, pos, feats) for node, pos in value.consumers]
-    return bool(steps) and all(not s.stop and s.row is None and s.outputs and all(f.span < feats.span for _, f in s.outputs)
-                               for s in steps)
+    and ``[..., [-2], :]``), after moving it if need be (Qwen2-VL's tower's
+    ``.reshape(s, 3, heads, d).permute(1, 0, 2, 3).unbind(0)``): then that factor is a packing of blocks,
+    not a number of heads the axis must divide; each block's own heads are its granules."""
+    def apart(node: Node, pos: int) -> bool:
+        s = step(node, pos, feats)
+        if s.stop or s.row is not None or not s.outputs:
+            return False
+        return all(f.span < feats.span or f.lead.size == feats.lead.size and f.span == feats.span and
+                   _split_per_block(node.outputs[i], f) for i, f in s.outputs)
+    return bool(value.consumers) and all(apart(node, pos) for node, pos in value.consumers)
 
 
 def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Node) -> bool:

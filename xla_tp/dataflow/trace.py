@@ -6,7 +6,9 @@ or already on the XLA device traces the same way and is left exactly as it was. 
 ``TorchFunctionMode`` records every call with its module scope. transformers recognises fake
 tensors and skips its data-dependent checks. Without ``example_inputs`` an input is synthesised from
 what the model declares (``inputs.synthesize``: a Hugging Face model's main input and config, else
-token ids, images or floats for its first layer). Example:
+token ids, images or floats for its first layer); the integer inputs of a made-up image call beside the tokens
+(a vision tower's grid of patches, which the model reads on the host with ``.tolist()``) stay real tensors,
+and what is computed from them alone (or from numbers) runs for real. Example:
 
 >>> graph = trace(nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 16)))
 >>> [(n.op, n.module) for n in graph.nodes]
@@ -29,7 +31,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from ..errors import PlanError
 from .graph import Graph, Node, Value
-from .inputs import MadeUpInputError, synthesize, takes_images
+from .inputs import MadeUpInputError, host_values, synthesize, takes_images
 from .positions import every_position
 from .repeats import Diverged, Span, call_key, structures
 from .routing import batched_experts
@@ -51,10 +53,11 @@ def op_name(func: Any) -> str:
 class _Recorder(TorchFunctionMode):
     """Records each torch function call that touches or makes a tensor."""
 
-    def __init__(self, graph: Graph, known: dict[int, Value], scope: list[str]):
+    def __init__(self, graph: Graph, known: dict[int, Value], scope: list[str], host: Sequence[torch.Tensor] = ()):
         super().__init__()
         self.graph, self.known, self.scope = graph, known, scope
-        self.keep: list[torch.Tensor] = []  # keeps traced tensors alive so their ids stay unique
+        self.keep: list[torch.Tensor] = list(host)  # keeps traced tensors alive so their ids stay unique
+        self.host = {id(t) for t in host}  # real tensors: values the model reads on the host (``_on_host``)
 
     def value_of(self, t: torch.Tensor) -> Value:
         v = self.known.get(id(t))
@@ -67,10 +70,16 @@ class _Recorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = op_name(func)
-        out = _call(func, name, args, kwargs)
         flat_in, _ = tree_flatten((args, kwargs))
         tensors_in = [t for t in flat_in if isinstance(t, torch.Tensor)]
+        real = self._on_host(tensors_in)
+        with unset_fake_temporarily() if real else contextlib.nullcontext():
+            out = _call(func, name, args, kwargs)
         flat_out = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+        if real:
+            self.host.update(id(t) for t in flat_out)
+        elif tensors_in and (name == "setitem" or name.endswith("_")):  # a host value written with a traced one
+            self.host.discard(id(tensors_in[0]))
         if not flat_out and name != "setitem":
             return out
         in_values = tuple(self.value_of(t) for t in tensors_in)
@@ -92,6 +101,13 @@ class _Recorder(TorchFunctionMode):
         node.outputs = tuple(outs)
         self.graph.nodes.append(node)
         return out
+
+
+    def _on_host(self, tensors: list[torch.Tensor]) -> bool:
+        """Whether a call computes on values read on the host alone (inputs given as real tensors, what is
+        computed from them alone, and, beside them, tensors made from numbers): it runs for real, so the
+        model can read its result (``.tolist()``: a vision tower's grid of patches)."""
+        return bool(self.host) and all(id(t) in self.host for t in tensors)
 
 
 SELECTIONS = ("where", "nonzero")  # one-argument where / nonzero(as_tuple=True): positions chosen by value
@@ -155,36 +171,46 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
     ``repeats``: a stack's identical blocks are traced once and copied (``repeats``; not with ``swap``
     or ``modes``); False records every call (the same graph, slower)."""
     if example_inputs is None and takes_images(model):
-        try:  # a vision tower reached only by an image call: traced with images where it takes them
+        try:  # a vision tower reached only by an image call: traced with images, in the form it takes them
             args, made = synthesize(model, images=True)
-            return trace(model, args, {**made, **(example_kwargs or {})}, swap=swap, modes=modes, repeats=repeats)
+            return _traced(model, args, {**made, **(example_kwargs or {})}, swap, modes, repeats, host_values(model, made))
         except PlanError:
-            pass  # its images are not a plain [batch, channels, size, size]: tokens alone, the tower unplanned
+            pass  # the tower did not run on the images made up: tokens alone, the tower unplanned
+    return _traced(model, example_inputs, example_kwargs, swap, modes, repeats)
+
+
+def _traced(model: nn.Module, example_inputs: Optional[Sequence[Any]], example_kwargs: Optional[Mapping[str, Any]],
+            swap: Optional[Callable[[str, torch.Tensor], torch.Tensor]], modes: Sequence[TorchFunctionMode],
+            repeats: bool, host: frozenset[str] = frozenset()) -> Graph:
+    """``trace`` of the inputs given, ``host`` (keywords) kept as real tensors (``_Recorder._on_host``)."""
     if repeats and swap is None and not modes:
         try:
-            return _record(model, example_inputs, example_kwargs, swap, modes, structures(model))
+            return _record(model, example_inputs, example_kwargs, swap, modes, structures(model), host)
         except Diverged:  # the stack's last block did not do what the first ones did: every call recorded
             pass
-    return _record(model, example_inputs, example_kwargs, swap, modes, {})
+    return _record(model, example_inputs, example_kwargs, swap, modes, {}, host)
 
 
 def _record(model: nn.Module, example_inputs: Optional[Sequence[Any]], example_kwargs: Optional[Mapping[str, Any]],
             swap: Optional[Callable[[str, torch.Tensor], torch.Tensor]], modes: Sequence[TorchFunctionMode],
-            blocks: dict[str, int]) -> Graph:
-    """``trace`` with the blocks ``blocks`` (FQN -> structure) copied after two equal calls (``_copied``)."""
+            blocks: dict[str, int], host: frozenset[str] = frozenset()) -> Graph:
+    """``trace`` with the blocks ``blocks`` (FQN -> structure) copied after two equal calls (``_copied``), the
+    keyword inputs ``host`` as real tensors."""
     made_up = example_inputs is None
     if made_up:
         example_inputs, made = synthesize(model)
         example_kwargs = {**made, **(example_kwargs or {})}
     graph, known, scope = Graph(), {}, [""]
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    real = {k: example_kwargs[k].detach().cpu() for k in host}
     fqns = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
     with fake:
         state, names = _fake_state(model)
         if swap is not None:
             state = {n: (kind, swap(n, t) if kind == "param" else t) for n, (kind, t) in state.items()}
         inputs = tree_map(lambda a: _fake_like(a) if isinstance(a, torch.Tensor) else a,
-                          (tuple(example_inputs), dict(example_kwargs or {})))
+                          (tuple(example_inputs), {k: a for k, a in (example_kwargs or {}).items() if k not in host}))
+        inputs = (inputs[0], {k: real[k] if k in host else inputs[1][k] for k in example_kwargs or {}})
     for fqn_list, (kind, t) in zip(names, state.values()):
         v = graph.new_value(t, kind, fqn_list[0])
         known[id(t)] = v
@@ -194,7 +220,7 @@ def _record(model: nn.Module, example_inputs: Optional[Sequence[Any]], example_k
         v = graph.new_value(t, "input", f"input {pos}", dynamic=True)
         known[id(t)] = v
         graph.inputs.append(v)
-    recorder = _Recorder(graph, known, scope)
+    recorder = _Recorder(graph, known, scope, list(real.values()))
     leaves = {n: known[id(t)] for fqn_list, (_, t) in zip(names, state.values()) for n in fqn_list}
     with _own_hooks_only(model), _unchanged_conversions_skipped(model), _copied(model, blocks, recorder, leaves):
         handles = _scope_hooks(model, fqns, scope, graph.callers)

@@ -6,7 +6,8 @@ packed projection), and what the model's dataflow says about it (``find``): colu
 fused input gradient (``groups``) and vocabulary-parallel embeddings with per-device weight gradients,
 reduced once with a tied LM head's (``embedding``, ``tied``), and mixture-of-experts layers run in
 static slots split as their weights are (``routed``, ``experts``; those that loop over per-expert
-modules, at static positions: ``selection``, ``selected``). ``find`` reads a forward of the model
+modules, at static positions: ``selection``, ``selected``), attention run one chunk at a time with chunks of
+equal length as one batch of them (``chunks``). ``find`` reads a forward of the model
 traced on fake tensors: the planner's, or one on a synthesised input; a model whose forward cannot be
 traced without its real arguments is found at its first call (``state.pending``), from a trace of
 that call that leaves the arguments untouched. Example::
@@ -28,6 +29,7 @@ from ..errors import PlanError
 from ..state import ModelState, layout_of, states_under
 from . import owners, scope
 from .attention import use_flash_attention
+from .chunks import install_chunks, uninstall_chunks
 from .embedding import install_embedding, uninstall_embeddings
 from .groups import install_group, uninstall_groups
 from .experts import MoeOptions
@@ -114,6 +116,7 @@ def find(root: nn.Module, state: ModelState, graph: Graph, embeddings: bool = Tr
     state.moe_options = state.moe_options or MoeOptions()
     picking = install_sites(root, graph, layout, state.moe_options, state.mesh)
     state.experts += picking
+    install_chunks(root, graph)
     context = state.sharder is not None and bool(sequence_axes(state.sharder.sizes))
     owners.install(root, state, owners.find_owners(root, graph, tuple(picking), context), state.sites)
     state.groups, state.tables, state.pending = [tuple(g) for g in groups], [fqn for fqn, _, _ in tables], False
@@ -125,6 +128,7 @@ def uninstall(root: nn.Module) -> None:
     uninstall_embeddings(root)
     uninstall_experts(root)
     uninstall_sites(root)
+    uninstall_chunks(root)
     owners.remove_within(root)
     for _, _, state in states_under(root):
         state.groups, state.tables, state.experts = [], [], []

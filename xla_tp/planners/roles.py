@@ -149,7 +149,7 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
                 "ready for a loss-parallel cross-entropy)"))
             taken[node.index] = "head"
         elif patches(region.projection):
-            _set_patches(roles, region.projection)
+            _set_patches(roles, region.projection, tp)
             taken[node.index] = "row"
         else:
             why = reasons.get(node.index) or stop_reason(region)
@@ -431,9 +431,12 @@ def _is_head(region: Region, vocab: dict[str, int], tp: int) -> bool:
     return p.weight.name in vocab or p.size in vocab.values() or -(-p.size // tp) < p.size
 
 
-def _set_patches(roles: Roles, p: Projection) -> None:
-    """A patch embedding (``patches``): split over its kernel rows, like a vocabulary-parallel embedding."""
-    axes = (None, None, "kernel") + (None,) * (len(p.weight.shape) - 3)
+def _set_patches(roles: Roles, p: Projection, tp: int) -> None:
+    """A patch embedding (``patches``): split over its kernel rows, like a vocabulary-parallel embedding; the
+    first kernel dimension ``tp`` divides (Qwen2-VL's 2 frames x 14 x 14: its rows), else the first, padded."""
+    kernel = p.weight.shape[2:]
+    at = 2 + next((i for i, k in enumerate(kernel) if k % tp == 0), 0)
+    axes = tuple("kernel" if d == at else None for d in range(len(p.weight.shape)))
     roles.set(p.weight, ParamRole("row", axes, f"patch embedding: a convolution over non-overlapping "
                                   f"{'x'.join(map(str, p.weight.shape[2:]))} patches, split over its kernel rows "
                                   f"(each device sums its rows of every patch); one all-reduce of its output",
