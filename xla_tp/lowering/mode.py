@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import bmm, channels, copies, packed, patchify, transposed
+from . import bmm, channels, concat, copies, packed, patchify, transposed
 from .entry import GETITEM, HANDLERS as OWNED
 
 
@@ -235,7 +235,7 @@ def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
     return {func: first(handlers) for func, handlers in funcs.items()}
 
 
-IN_SITE = _first(OWNED, copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS)
+IN_SITE = _first(OWNED, copies.HANDLERS, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS, concat.HANDLERS)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _ELEMENTWISE = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.add, torch.Tensor.add,
                 torch.Tensor.__add__, torch.Tensor.__radd__, torch.sub, torch.Tensor.sub, torch.Tensor.__sub__,
