@@ -293,14 +293,15 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
         concat = region.concats.get(value.index)
         if value.index in outputs:
             if concat is not None:
-                return stopped(_concatenated(concat[0], "is an output of the model"), concat[0])
+                return stopped("concatenates along the sharded dimension into an output of the model", concat[0])
             change("reaches_output", True)
         for node, pos in value.consumers:
             if is_attention(node):
                 change("attention", node.index)
             s = step(node, pos, feats)
             if concat is not None and s.row is None and not s.stop:
-                s = Step(stop=_concatenated(concat[0], f"{describe(node)} reads the concatenation"))
+                s = Step(stop=f"concatenates along the sharded dimension ({describe(concat[0])}), which only a row "
+                              f"projection may read, for another op")
             if s.reduces and window != whole and not region.attention:  # a statistic over one block of a packed
                 # output with no heads between (a norm of one block of a residual stream's width): not a partial sum
                 s = Step(stop=f"reduces ({node.op}) over one block of a packed projection's split features")
@@ -353,11 +354,6 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
         node = next(iter(region.reductions.values()))
         region.stop, region.stop_node = f"reduces ({node.op}) over the sharded dimension", node
     return region
-
-
-def _concatenated(cat: Node, what: str) -> str:
-    return f"concatenates along the sharded dimension ({describe(cat)}), and {what}: only a row projection " \
-           f"may read a concatenation of split features"
 
 
 def _kept(rests: Optional[Rests], marks: list[tuple[tuple, dict[str, int]]], log: _Log, region: Region) -> Region:
