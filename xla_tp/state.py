@@ -90,6 +90,8 @@ class ModelState:
     handles: list[Any] = field(default_factory=list)  # other hooks: scope, inference, packed state dicts
     relaid: dict[str, Any] = field(default_factory=dict)  # parameter FQN -> Packing applied to it
     sites: set[str] = field(default_factory=set)  # modules that slice a re-laid packed projection
+    concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # concatenations laid device-major: their
+    # pieces' sizes -> over how many devices (``lowering.concat``)
     owners: dict[str, str] = field(default_factory=dict)  # module FQN -> the rewrite it owns (``lowering.owners``)
     owner_handles: list[Any] = field(default_factory=list)  # (weakref to module, its hooks) (found again: replaced)
     groups: list[tuple[str, ...]] = field(default_factory=list)  # column groups found (member FQNs)

@@ -146,13 +146,30 @@ def _cat(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     if node.op == "stack":
         return _one(node, feats.moved({d: d + (d >= dim) for d in range(rank - 1)}))
     if dim == feats.lead.dim:
-        return "concatenates along the sharded dimension"
+        return _piece(node, pos, feats, dim)
     f = feats.factor_at(dim)
     if f is not None and f.outer > 1:
         return "concatenates along a dimension where the batch is merged with the sharded features"
     if f is not None:  # a minor feature dim (rotary halves): the factor grows, the sharding is untouched
         feats = replace(feats, factors=tuple(replace(g, size=out.shape[dim]) if g is f else g for g in feats.factors))
     return _one(node, feats)
+
+
+def _piece(node: Node, pos: int, feats: Features, dim: int) -> Union[Step, Stop]:
+    """A split tensor concatenated with others along its split last dimension (Flux's ``cat([attention,
+    mlp], -1)`` before ``proj_out``): the output holds it at ``(offset, size)``. Laid device-major at run time
+    (each device's parts side by side, ``lowering.concat``), so only a row projection may read it, its
+    input columns re-laid the same way (``Region.row_blocks``)."""
+    items, me = node.arg(0, "tensors"), node.tensors[pos]
+    if not all(isinstance(v, Value) for v in items) or dim != _rank(me) - 1 or feats.factor_at(dim) is not feats.lead or feats.lead.outer > 1 \
+            or feats.lead.size != me.shape[dim] or sum(1 for v in items if v is me) != 1:
+        return "concatenates along the sharded dimension"
+    offset = 0
+    for v in items:
+        if v is me:
+            break
+        offset += v.shape[dim]
+    return Step([(0, feats)], concat=(offset, me.shape[dim]))
 
 
 def _pad(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:

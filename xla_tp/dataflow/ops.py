@@ -68,6 +68,8 @@ class Step:
     row: Optional[tuple[Value, int]] = None  # (the parameter contracted against, its sharded dim)
     ends: str = ""  # the features are reduced away here, split (a vocabulary-parallel loss: ``vocab``)
     reduces: str = ""  # a per-token statistic over the split features (a norm's mean square): all-reduced
+    concat: Optional[tuple[int, int]] = None  # (offset, size): the features are this piece of a concatenation
+    # along their split dimension (``indexing._cat``), which only a row projection may read
 
 
 def stop(why: str) -> Step:

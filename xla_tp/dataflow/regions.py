@@ -107,6 +107,10 @@ class Region:
     # parameters applied one entry per split feature (``partners``): param index -> (param, its dim, block)
     partners: dict[int, tuple[Value, int, tuple[Fraction, Fraction]]] = field(default_factory=dict)
     reduction_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # reduction -> block
+    # concatenations along the split dimension (``indexing._piece``): their output's value index -> (the cat,
+    # where the features sit in it: offset, size); each row projection reading one -> (offset, size, the cat)
+    concats: dict[int, tuple[Node, int, int]] = field(default_factory=dict)
+    row_blocks: dict[int, tuple[int, int, Node]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -180,10 +184,12 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
         merges={rename(m, copy.source, copy.target) for m in region.merges}, ends=moved(region.ends),
         reductions={i + copy.node_shift: node(n) for i, n in region.reductions.items()},
         row_windows=moved(region.row_windows), copied={}, granule_windows=dict(region.granule_windows),
-        partners=partners_of, reduction_windows=moved(region.reduction_windows))
+        partners=partners_of, reduction_windows=moved(region.reduction_windows),
+        concats={i + copy.value_shift: (node(n), *at) for i, (n, *at) in region.concats.items()},
+        row_blocks={i + copy.node_shift: (*at, node(n)) for i, (*at, n) in region.row_blocks.items()})
 
 
-_ASSIGNED = ("values", "rows", "row_windows", "reductions", "reduction_windows")  # a dict entry set again takes
+_ASSIGNED = ("values", "rows", "row_windows", "reductions", "reduction_windows", "concats", "row_blocks")  # a dict entry set again takes
 # the new item
 _FIRST = ("ends", "granules", "granule_windows", "partners")  # a dict entry set again keeps the first item
 _MEMBERS = ("windows", "attention", "slicers", "merges")  # a set's members
@@ -284,12 +290,18 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
             marks.append((key, log.at()))
         if window != whole:
             change("windows", window)
+        concat = region.concats.get(value.index)
         if value.index in outputs:
+            if concat is not None:
+                return stopped("concatenates along the sharded dimension into an output of the model", concat[0])
             change("reaches_output", True)
         for node, pos in value.consumers:
             if is_attention(node):
                 change("attention", node.index)
             s = step(node, pos, feats)
+            if concat is not None and s.row is None and not s.stop:
+                s = Step(stop=f"concatenates along the sharded dimension ({describe(concat[0])}), which only a row "
+                              f"projection may read, for another op")
             if s.reduces and window != whole and not region.attention:  # a statistic over one block of a packed
                 # output with no heads between (a norm of one block of a residual stream's width): not a partial sum
                 s = Step(stop=f"reduces ({node.op}) over one block of a packed projection's split features")
@@ -300,6 +312,8 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
             if s.row is not None:
                 change("rows", node.index, (node, *s.row))
                 change("row_windows", node.index, window)
+                if concat is not None:
+                    change("row_blocks", node.index, (*concat[1:], concat[0]))
                 continue
             if s.ends:
                 change("ends", node.index, s.ends)
@@ -315,6 +329,8 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
                 seen = region.values.get(out.index)
                 if seen is None:
                     change("values", out.index, f)
+                    if s.concat is not None:
+                        change("concats", out.index, (node, *s.concat))
                     if (f.base, f.span) != (feats.base, feats.span):
                         change("slicers", node.module)
                     if f.hard and not _split_per_block(out, f):

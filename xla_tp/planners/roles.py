@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 from enum import Enum
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.patches import patches
@@ -91,6 +91,8 @@ class Roles:
     whole_attention: list[str] = field(default_factory=list)  # attention no block splits, and why
     sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks or merge
     # heads with the batch
+    concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # the sizes of concatenations along split
+    # features laid device-major (the row reading one is re-laid) -> over how many devices
     natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
     # weight is an embedding in one module and an output head in another)
 
@@ -98,7 +100,7 @@ class Roles:
         """A copy with containers of its own (planners set entries; a ``ParamRole`` is never changed)."""
         return Roles(params=dict(self.params), groups=[list(g) for g in self.groups], blocks=list(self.blocks),
                      choices=list(self.choices), prices=list(self.prices), whole_attention=list(self.whole_attention),
-                     sites=set(self.sites), natural=dict(self.natural))
+                     sites=set(self.sites), natural=dict(self.natural), concats=dict(self.concats))
 
     def set(self, weight: Value, role: ParamRole, module: Optional[str] = None) -> None:
         if module is not None and role.natural:
@@ -217,6 +219,10 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
     roles.blocks.append(frozenset([*(r.projection.weight.name for r in members), *(p.name for _, p, _ in rows.values())]))
     ways, split_regions, relaid, pad, chosen = tp, members, True, (0, 0), ""
     problems = [why for r in members if (why := _problem(r, tp))]
+    concats = _concatenations(members, rows, tp)
+    if isinstance(concats, str) or concats and problems:  # no alternative lays a concatenation out
+        _whole(roles, members, rows, taken, reasons, covered, concats if isinstance(concats, str) else problems[0])
+        return
     label = ", ".join(r.projection.name.rpartition(".")[0] for r in members)
     if problems:  # off the optimum: the cheapest valid alternative (alternatives.py)
         choice = choose(graph, members, rows, tp, _problem, problems[0], padding, sizes)
@@ -232,17 +238,9 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
         roles.prices.append((label, Block(graph, members, rows, tp, sizes).price(tp, tuple(members))))
     dropped = [r for r in members if r not in split_regions]
     for r in dropped:
-        why = (_problem(r, tp) or "the block is computed whole") + chosen
-        reasons[r.projection.node.index] = why
-        roles.set(r.projection.weight, _replicated(r.projection.weight, why))
-        if r.projection.bias is not None:
-            roles.set(r.projection.bias, _replicated(r.projection.bias, why))
-        taken[r.projection.node.index] = "replicated"
+        _replicate(roles, r, (_problem(r, tp) or "the block is computed whole") + chosen, taken, reasons)
     if not split_regions:
-        covered |= {i for r in members for i in r.attention}  # attention computed whole, by choice
-        for index, (_, param, _) in rows.items():
-            roles.set(param, _replicated(param, f"contracts a block computed whole{chosen}"))
-            taken[index] = "replicated"
+        _whole(roles, [], rows, taken, reasons, covered, chosen, members)
         return
     attention = any(r.attention for r in split_regions)
     logical = "heads" if attention else "mlp"
@@ -265,13 +263,65 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
         axes[dim] = logical
         cols = ", ".join(r.projection.name.rpartition(".")[0] for r in split_regions)
         packing = _padding(dim, ((0, param.shape[dim]),), ways, pad) if pad[0] else None
-        roles.set(param, ParamRole("row", tuple(axes), f"row-parallel: contracts the split features of {cols}; "
+        laid = ""
+        if index in concats:
+            packing, cat = Packing(dim, concats[index][0], ways), concats[index][1]
+            roles.concats[tuple(n for _, n in packing.blocks)] = ways
+            roles.sites.add(cat.module)
+            laid = f" (its input, concatenated along the split features by {describe(cat)}, is laid device-major " \
+                   f"as each device's parts side by side, blocks {[n for _, n in packing.blocks]}: its input " \
+                   f"columns re-laid the same way)"
+        roles.set(param, ParamRole("row", tuple(axes), f"row-parallel: contracts the split features of {cols}{laid}; "
                                    f"one all-reduce of its output", "partial", packing), node.module)
         bias = _row_bias(node, param)
         if bias is not None:
             roles.set(bias, _replicated(bias, "bias of a row-parallel projection: added once, after the reduction"))
         taken[index] = "row"
     roles.groups.append([r.projection.name for r in split_regions])
+
+
+def _replicate(roles: Roles, r: Region, why: str, taken: dict[int, str], reasons: dict[int, str]) -> None:
+    reasons[r.projection.node.index] = why
+    roles.set(r.projection.weight, _replicated(r.projection.weight, why))
+    if r.projection.bias is not None:
+        roles.set(r.projection.bias, _replicated(r.projection.bias, why))
+    taken[r.projection.node.index] = "replicated"
+
+
+def _whole(roles: Roles, dropped: list[Region], rows: dict[int, tuple[Node, Value, int]], taken: dict[int, str],
+           reasons: dict[int, str], covered: set[int], why: str, members: Sequence[Region] = ()) -> None:
+    """A block computed whole: ``dropped`` replicated for ``why``, the rows contracting it too, the attention
+    of ``members`` left whole by choice."""
+    for r in dropped:
+        _replicate(roles, r, why, taken, reasons)
+    covered |= {i for r in members for i in r.attention}
+    for index, (_, param, _) in rows.items():
+        roles.set(param, _replicated(param, f"contracts a block computed whole{why if not dropped else ''}"))
+        taken[index] = "replicated"
+
+
+def _concatenations(members: list[Region], rows: dict[int, tuple[Node, Value, int]],
+                    tp: int) -> "dict[int, tuple[tuple[tuple[int, int], ...], Node]] | str":
+    """The rows of a block that read a concatenation of its split features (``Region.row_blocks``): row node
+    index -> (the blocks of its input, the cat), when they tile the row's input and ``tp`` divides each; why
+    not otherwise."""
+    found: dict[int, tuple[set[tuple[int, int]], Node]] = {}
+    for r in members:
+        for index, (offset, size, cat) in r.row_blocks.items():
+            found.setdefault(index, (set(), cat))[0].add((offset, size))
+    out = {}
+    for index, (blocks, cat) in found.items():
+        node, param, dim = rows[index]
+        ordered = tuple(sorted(blocks))
+        ends = [0, *(start + n for start, n in ordered)]
+        if [start for start, _ in ordered] != ends[:-1] or ends[-1] != param.shape[dim]:
+            return f"concatenates along the sharded dimension ({describe(cat)}) with features no split block " \
+                   f"computes"
+        if any(n % tp for _, n in ordered):
+            return f"concatenates along the sharded dimension ({describe(cat)}) blocks of " \
+                   f"{[n for _, n in ordered]}, which {tp} devices do not all divide"
+        out[index] = (ordered, cat)
+    return out
 
 
 def _statistics(r: Region) -> str:
