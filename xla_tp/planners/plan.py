@@ -125,10 +125,11 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     # compute part of the head's backward whole (measured with JAX's partitioner)
     outputs = ((Shard(-1),),) if kind == Role.HEAD else ()
     # "rows": stacked experts split by experts emit their experts' rows of a [E * tokens, ...] output (the sum
-    # over the experts, after them, is the reduction); a routed layer's own math contracts its split input back
+    # over the experts, after them, is the reduction); a routed layer's own math contracts its split input back,
+    # as torch's MultiheadAttention's does (its column-split in_proj_weight, then out_proj inside its forward)
     placement = {"partial": Partial(), "rows": Shard(0)}.get(natural, Shard(-1))
     return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text, placement, outputs,
-                        input_grad=kind == Role.EXPERTS and natural == "partial")
+                        input_grad=kind in (Role.EXPERTS, Role.COLUMN) and natural == "partial")
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:
