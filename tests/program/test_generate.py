@@ -144,8 +144,10 @@ def test_each_row_ends_at_its_own_eos_and_streams(llama):
 
 @pytest.mark.parametrize("config", [
     transformers.Qwen3Config(**TINY, head_dim=16),
-    transformers.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
-                                  layer_types=["sliding_attention", "sliding_attention", "full_attention"]),
+    pytest.param(transformers.Gemma3TextConfig(**{**TINY, "num_hidden_layers": 3}, head_dim=16, sliding_window=8,
+                                               layer_types=["sliding_attention", "sliding_attention",
+                                                            "full_attention"]),
+                 marks=pytest.mark.complete),  # a windowed cache: tests/program/test_lowering.py's quick test too
     pytest.param(transformers.Phi3Config(**TINY, partial_rotary_factor=0.5, pad_token_id=0),  # rotary on a slice
                  marks=pytest.mark.complete),                                                # of each head
     pytest.param(transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=8, vocab_size=128),  # ALiBi from the
