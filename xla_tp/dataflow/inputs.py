@@ -49,8 +49,9 @@ def synthesize(model: nn.Module, images: bool = False) -> tuple[tuple, dict[str,
     takes images beside its tokens (``takes_images``) gets them too."""
     config = getattr(model, "config", None)
     name = getattr(model, "main_input_name", None)
-    if is_denoiser(model, _parameters(model)):
-        return (), denoiser_inputs(model, _parameters(model))
+    takes = _parameters(model)
+    if is_denoiser(model, takes):
+        return (), denoiser_inputs(model, takes)
     if config is not None and isinstance(name, str):
         kwargs = {name: _main_input(model, config, name)}
         if images and takes_images(model):
