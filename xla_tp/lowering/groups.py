@@ -49,8 +49,8 @@ class GroupedLinear(torch.autograd.Function):
         live = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
         dx = None
         if live and ctx.needs_input_grad[1]:  # [..., tp * S] @ [tp * S, in]: each device's rows of every member
-            rows = torch.cat([dy.unflatten(-1, (ctx.tp, -1)) for dy, _ in live], dim=-1).flatten(-2)
-            mats = torch.cat([w.unflatten(0, (ctx.tp, -1)) for _, w in live], dim=1).flatten(0, 1)
+            rows = torch.cat([_per_device(dy, ctx.tp, -1) for dy, _ in live], dim=-1).flatten(-2)
+            mats = torch.cat([_per_device(w, ctx.tp, 0) for _, w in live], dim=1).flatten(0, 1)
             dx = torch.einsum("...k,ki->...i", rows, mats) if ctx.keep_dims else torch.matmul(rows, mats)
         x2 = x if ctx.keep_dims else x.reshape(-1, x.shape[-1])  # a sequence split over a context axis: no reshape
         grads: list[Optional[torch.Tensor]] = []
@@ -82,19 +82,22 @@ class ColumnGroup:
             return None  # without a backward (inference, generation) each member is its own F.linear
         if self._x is not x:
             mods = [m() for m in self.members]
-            if any(m is None for m in mods) or not any(m.weight is weight and m.bias is bias for m in mods):
+            if any(m is None for m in mods):
                 return None
-            self._compute(x, mods)
+            pairs = [(m.weight, m.bias) for m in mods]
+            if not any(w is weight and b is bias for w, b in pairs):
+                return None
+            self._compute(x, pairs)
         hit = self._outputs.pop(id(weight), None)
         return hit[2] if hit is not None and hit[0] is weight and hit[1] is bias else None
 
-    def _compute(self, x: torch.Tensor, mods: list[nn.Linear]) -> None:
+    def _compute(self, x: torch.Tensor, pairs: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
         if x.device.type == "xla":
-            params = [copies.summed(t, packing_of(t)) for m in mods for t in (m.weight, m.bias)]  # copied blocks
+            params = [copies.summed(t, packing_of(t)) for pair in pairs for t in pair]  # copied blocks
             outputs = GroupedLinear.apply(self.tp, x, *params)
         else:  # torchax: JAX differentiates the forward, so the forward itself is one contraction
-            outputs = stacked_linear(self.tp, x, [m.weight for m in mods], [m.bias for m in mods])
-        self._x, self._outputs = x, {id(m.weight): (m.weight, m.bias, y) for m, y in zip(mods, outputs)}
+            outputs = stacked_linear(self.tp, x, [w for w, _ in pairs], [b for _, b in pairs])
+        self._x, self._outputs = x, {id(w): (w, b, y) for (w, b), y in zip(pairs, outputs)}
         scope.on_exit(self.clear)  # the outputs are held until the outermost parallelized forward ends
 
     def clear(self) -> None:
@@ -106,7 +109,7 @@ def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
                    biases: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """The members' outputs from one contraction with their rows stacked device-major (each device's
     rows of every member side by side: nothing moves); differentiating it gives one input gradient."""
-    stacked = torch.cat([w.unflatten(0, (tp, -1)) for w in weights], dim=1)       # [tp, S, in]
+    stacked = torch.cat([_per_device(w, tp, 0) for w in weights], dim=1)       # [tp, S, in]
     y = torch.einsum("...i,tsi->...ts", x, stacked)
     outputs, start = [], 0
     for w, b in zip(weights, biases):
@@ -115,6 +118,14 @@ def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
         outputs.append(out if b is None else out + b)
         start += rows
     return tuple(outputs)
+
+
+def _per_device(t: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
+    """``t`` with its ``dim`` (0 or -1) viewed as ``[tp, size / tp]``: each device's block on its own index. A
+    view with the shape spelled out: ``Tensor.unflatten`` is a Python wrapper, a host cost on every traced step."""
+    shape = list(t.shape)
+    shape[dim:len(shape) if dim == -1 else dim + 1] = [tp, shape[dim] // tp]
+    return t.view(shape)
 
 
 def groupable(module: nn.Module, tp: int) -> bool:
