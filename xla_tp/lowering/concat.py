@@ -22,9 +22,22 @@ import torch
 from . import scope
 
 
-def laid(*pieces: torch.Tensor, tp: int) -> torch.Tensor:
-    """``pieces`` concatenated on the last dim, device-major over ``tp`` devices."""
-    return torch.cat([p.unflatten(-1, (tp, p.shape[-1] // tp)) for p in pieces], -1).flatten(-2)
+def per_device(t: torch.Tensor, tp: int, dim: int = -1) -> torch.Tensor:
+    """``t`` with its dimension ``dim`` viewed as ``[tp, size / tp]``, device ``d``'s block at index ``d``. A view
+    with the shape spelled out: ``Tensor.unflatten`` is a Python wrapper, a host cost on every traced step.
+
+    >>> per_device(torch.zeros(2, 12), 4).shape, per_device(torch.zeros(8, 3), 4, 0).shape
+    (torch.Size([2, 4, 3]), torch.Size([4, 2, 3]))
+    """
+    dim %= t.dim()
+    shape = t.shape
+    return t.view(*shape[:dim], tp, shape[dim] // tp, *shape[dim + 1:])
+
+
+def laid(*pieces: torch.Tensor, tp: int, dim: int = -1) -> torch.Tensor:
+    """``pieces`` concatenated on ``dim`` (the last by default), device-major over ``tp`` devices."""
+    dim %= pieces[0].dim()
+    return torch.cat([per_device(p, tp, dim) for p in pieces], dim + 1).flatten(dim, dim + 1)
 
 
 def cat(tensors: Sequence[Any], dim: int = 0, **kwargs: Any) -> Any:

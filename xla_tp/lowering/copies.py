@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .concat import per_device
 from .tags import Tag
 
 _KV = Tag("kv_copies")  # on a copied block as the model sees it: (copies as heads, the head dim)
@@ -183,7 +184,7 @@ def summed(weight: Any, packing: Any) -> Any:
 def sum_copies(grad: torch.Tensor, packing: Any) -> torch.Tensor:
     """A re-laid weight's gradient with each copied block's copies replaced by their sum."""
     tp, dim = packing.tp, packing.dim
-    g = grad.movedim(dim, -1).unflatten(-1, (tp, packing.laid_size // tp))
+    g = per_device(grad.movedim(dim, -1), tp)
     parts, offset = [], 0
     for i, size in enumerate(packing.sizes):
         share = size // tp

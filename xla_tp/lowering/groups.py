@@ -28,6 +28,7 @@ from torch import nn
 
 from ..state import drop_implied_output, ensure_param_state, param_state
 from . import context, copies, scope
+from .concat import laid, per_device
 from .packed import packing_of
 
 
@@ -49,8 +50,8 @@ class GroupedLinear(torch.autograd.Function):
         live = [(dy, w) for dy, w in zip(dys, weights) if dy is not None]
         dx = None
         if live and ctx.needs_input_grad[1]:  # [..., tp * S] @ [tp * S, in]: each device's rows of every member
-            rows = torch.cat([_per_device(dy, ctx.tp, -1) for dy, _ in live], dim=-1).flatten(-2)
-            mats = torch.cat([_per_device(w, ctx.tp, 0) for _, w in live], dim=1).flatten(0, 1)
+            rows = laid(*(dy for dy, _ in live), tp=ctx.tp)
+            mats = laid(*(w for _, w in live), tp=ctx.tp, dim=0)
             dx = torch.einsum("...k,ki->...i", rows, mats) if ctx.keep_dims else torch.matmul(rows, mats)
         x2 = x if ctx.keep_dims else x.reshape(-1, x.shape[-1])  # a sequence split over a context axis: no reshape
         grads: list[Optional[torch.Tensor]] = []
@@ -109,7 +110,7 @@ def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
                    biases: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """The members' outputs from one contraction with their rows stacked device-major (each device's
     rows of every member side by side: nothing moves); differentiating it gives one input gradient."""
-    stacked = torch.cat([_per_device(w, tp, 0) for w in weights], dim=1)       # [tp, S, in]
+    stacked = torch.cat([per_device(w, tp, 0) for w in weights], dim=1)       # [tp, S, in]
     y = torch.einsum("...i,tsi->...ts", x, stacked)
     outputs, start = [], 0
     for w, b in zip(weights, biases):
@@ -118,14 +119,6 @@ def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
         outputs.append(out if b is None else out + b)
         start += rows
     return tuple(outputs)
-
-
-def _per_device(t: torch.Tensor, tp: int, dim: int) -> torch.Tensor:
-    """``t`` with its ``dim`` (0 or -1) viewed as ``[tp, size / tp]``: each device's block on its own index. A
-    view with the shape spelled out: ``Tensor.unflatten`` is a Python wrapper, a host cost on every traced step."""
-    shape = list(t.shape)
-    shape[dim:len(shape) if dim == -1 else dim + 1] = [tp, shape[dim] // tp]
-    return t.view(shape)
 
 
 def groupable(module: nn.Module, tp: int) -> bool:

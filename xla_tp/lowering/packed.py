@@ -33,6 +33,7 @@ from torch import nn
 from ..plan.packing import Packing
 from ..state import ensure_param_state, param_state
 from .tags import Tag
+from .concat import per_device
 from .copies import copied_block, copied_head
 
 _TAG = Tag("packed_output")  # on a re-laid projection's output during a forward: its Packing
@@ -134,7 +135,7 @@ def block(y: torch.Tensor, packing: Packing, index: int) -> torch.Tensor:
     tp, sizes = packing.tp, packing.sizes
     offset = sum(sizes[:index]) // tp
     n = sizes[index] // tp
-    part = y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n]
+    part = per_device(y, tp)[..., offset:offset + n]
     return part if index in packing.whole else part.flatten(-2)
 
 
@@ -226,7 +227,7 @@ def run(y: torch.Tensor, packing: Packing, indices: range) -> torch.Tensor:
     blocks = tuple((start - first, size) for start, size in packing.blocks[indices[0]:indices[-1] + 1])
     whole = frozenset(i - indices[0] for i in indices if i in packing.whole)
     padded = tuple(packing.padded[i] for i in indices) if packing.padded else ()
-    part = y.unflatten(-1, (tp, packing.laid_size // tp))[..., offset:offset + n].flatten(-2)
+    part = per_device(y, tp)[..., offset:offset + n].flatten(-2)
     return tag(part, Packing(packing.dim, blocks, tp, padded, whole))
 
 

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..state import ensure_param_state, param_state
 from . import scope
+from .concat import per_device
 
 
 class Tie:
@@ -63,7 +64,7 @@ def head(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) ->
     stack = tie.stack(weight, x) if tie is not None and x.device.type == "xla" else None
     if stack is None:
         return None
-    y = torch.einsum("r...h,rvh->r...v", x.unflatten(0, (tie.replicas, -1)), stack).flatten(0, 1)
+    y = torch.einsum("r...h,rvh->r...v", per_device(x, tie.replicas, 0), stack).flatten(0, 1)
     return y if bias is None else y + bias
 
 
