@@ -50,8 +50,8 @@ def follows(func: Callable, t: torch.Tensor) -> bool:
 def follow(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: packed.Packing) -> Any:
     """``func`` on the tagged ``t`` (its first argument), its output tagged (see the module docstring)."""
     dim, rank = laid_dim(t), t.dim()
-    if func is torch.Tensor.copy_ and len(args) > 1 and args[1] is t and args[0].shape == t.shape:
-        return args[0].copy_(t)  # a cache's buffer made from these features (its shape): it keeps their layout
+    if func is torch.Tensor.copy_ and len(args) > 1 and _same_layout(args[1], t) and args[0].shape == t.shape:
+        return tagged(args[0].copy_(args[1]), packing, dim)  # a cache's buffer holding these features: their layout
     if args[0] is not t:
         return NotImplemented
     if func in _MOVES:
@@ -71,6 +71,30 @@ def follow(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: 
     if not isinstance(out, torch.Tensor) or out.dim() != rank or out.shape[dim] != t.shape[dim]:
         return NotImplemented
     return tagged(out, packing, dim)
+
+
+def _same_layout(a: Any, t: torch.Tensor) -> bool:
+    """Whether ``a`` holds re-laid features as the tagged ``t`` does (the same packing, on the same dim)."""
+    return a is t or (packed.tag_of(a) == packed.tag_of(t) and laid_dim(a) == laid_dim(t))
+
+
+def joined(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
+    """``torch.cat`` of re-laid features along another dim: a convolution's cached positions and the new one
+    (Mamba2's decoding step), every piece tagged with one packing on one dim; the output tagged the same.
+    ``NotImplemented`` for any other concatenation."""
+    if kwargs or not isinstance(tensors, (list, tuple)) or not tensors or not isinstance(dim, int):
+        return NotImplemented
+    first = tensors[0]
+    packing = packed.tag_of(first)
+    if packing is None or not isinstance(first, torch.Tensor):
+        return NotImplemented
+    laid = laid_dim(first)
+    if dim % first.dim() == laid or not all(_same_layout(t, first) for t in tensors[1:]):
+        return NotImplemented
+    return tagged(torch.cat(tensors, dim), packing, laid)
+
+
+HANDLERS = {torch.cat: joined, torch.concat: joined, torch.concatenate: joined}
 
 
 def _convolved(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: packed.Packing,
@@ -110,4 +134,4 @@ def shifted(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return out if bias is None else out + bias[:, None]
 
 
-__all__ = ["follow", "follows", "laid_dim", "shifted", "tagged"]
+__all__ = ["HANDLERS", "follow", "follows", "joined", "laid_dim", "shifted", "tagged"]
