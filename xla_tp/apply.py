@@ -61,7 +61,7 @@ def begin(module: nn.Module, plan: Plan, layout: Layout, mesh: Any, tp: int, emb
     register(module, state, state.lease.release)
     relay(module, state, plan.packings)
     state.sites = lowering.packed_sites(module, plan.slicers)
-    state.concats = dict(plan.concats)
+    state.concats, state.tagged_concats = dict(plan.concats), set(plan.tagged_concats)
     lowering.enter(module, state, embeddings)
     return state
 

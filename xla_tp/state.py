@@ -92,6 +92,7 @@ class ModelState:
     sites: set[str] = field(default_factory=set)  # modules that slice a re-laid packed projection
     concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # concatenations laid device-major: their
     # pieces' sizes -> over how many devices (``lowering.concat``)
+    tagged_concats: set[tuple[int, ...]] = field(default_factory=set)  # those read channel by channel: tagged
     owners: dict[str, str] = field(default_factory=dict)  # module FQN -> the rewrite it owns (``lowering.owners``)
     owner_handles: list[Any] = field(default_factory=list)  # (weakref to module, its hooks) (found again: replaced)
     groups: list[tuple[str, ...]] = field(default_factory=list)  # column groups found (member FQNs)

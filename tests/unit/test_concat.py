@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xla_tp.lowering.concat import laid
+from xla_tp.lowering.blocks import laid
 from xla_tp.plan.packing import Packing
 from xla_tp.planners import plan_for
 

@@ -75,3 +75,29 @@ def test_a_parameter_that_mixes_features_is_no_partner():
     found = [p.name for n in graph.nodes if n.op == "mul" for pos, v in enumerate(n.tensors) if v.dynamic
              for p, _ in partners(n, pos, Features.whole(2, 8))]
     assert found == ["per_feature"]
+
+
+def qwen3_next() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.Qwen3NextForCausalLM(transformers.Qwen3NextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=8, vocab_size=128, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=8,
+        linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"]))
+
+
+def test_qwen3_nexts_gated_delta_net_splits_by_key_head_group():
+    """Its projections' outputs are grouped by key head already: split as they are, q, k, v concatenated for
+    the convolution laid device-major (the kernel re-laid like them), the per-head parameters split."""
+    plan = plan_for(qwen3_next(), mesh=SIZES)
+    mixer = "model.layers.0.linear_attn"
+    for name in ("in_proj_qkvz", "in_proj_ba"):
+        role = plan.roles[f"{mixer}.{name}.weight"]
+        assert role.kind == "column" and role.packing is None and role.axes[0] is not None
+    assert plan.roles[f"{mixer}.out_proj.weight"].kind == "row"
+    conv = plan.roles[f"{mixer}.conv1d.weight"]
+    assert conv.axes[0] is not None and conv.packing.blocks == ((0, 32), (32, 32), (64, 64)) and conv.packing.tp == 4
+    assert plan.tagged_concats == {(32, 32, 64)} and plan.concats == {(32, 32, 64): 4}
+    for name in ("A_log", "dt_bias"):
+        assert plan.roles[f"{mixer}.{name}"].kind == "column"
+    assert [n for n in plan.replicated if ".linear_attn." in n] == [f"{mixer}.norm.weight"]  # per head dim

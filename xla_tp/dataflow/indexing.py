@@ -198,7 +198,44 @@ def _gather(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
 
 
 def _setitem(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
-    return "writes a sharded tensor in place"
+    """``x[index] = y`` (a new version of ``x``) writing one entry of another dim at a time (an int in the
+    index: the gated delta rule's ``out[:, :, i] = ...``, one chunk at a time, heads split): the features of
+    ``x``, or of ``y`` on the dims of ``x`` it is written to, when the index takes the whole of every dim
+    holding them. Other writes stop (Gemma 3n's ``predictions[1:] += first``: its residual stream, read whole)."""
+    target, me = node.args[0], node.tensors[pos]
+    index = node.arg(1, "idx")
+    items = index if isinstance(index, tuple) else (index,)
+    if not node.outputs or not isinstance(target, Value) or any(isinstance(i, Value) for i in items) \
+            or sum(1 for i in items if i is Ellipsis) > 1 or not any(isinstance(i, int) for i in items):
+        return "writes a sharded tensor in place"
+    rank = _rank(target)
+    n_real = sum(1 for i in items if i is not None and i is not Ellipsis)
+    written, whole, dim = [], set(), 0  # written: the target dim of each dim of the slot (-1: a new one)
+    for i in items:
+        if i is Ellipsis:
+            for _ in range(rank - n_real):
+                written.append(dim)
+                whole.add(dim)
+                dim += 1
+        elif i is None:
+            written.append(-1)
+        elif isinstance(i, int):
+            dim += 1
+        else:
+            if i == slice(None):
+                whole.add(dim)
+            written.append(dim)
+            dim += 1
+    written += list(range(dim, rank))
+    whole |= set(range(dim, rank))
+    if me is target:
+        mapping = {f.dim: f.dim for f in feats.factors}
+    else:
+        shift = len(written) - _rank(me)
+        mapping = {f.dim: written[f.dim + shift] if f.dim + shift >= 0 else -1 for f in feats.factors}
+    if any(d not in whole or target.shape[d] != me.shape[f] for f, d in mapping.items()):
+        return "writes a sharded tensor in place, into part of its sharded dimension"
+    return Step([(0, feats.moved(mapping))])
 
 
 register({"getitem": _getitem, "cat": _cat, "concat": _cat, "concatenate": _cat, "stack": _cat, "pad": _pad,

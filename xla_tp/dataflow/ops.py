@@ -304,9 +304,21 @@ def _repeat(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
 
 
+def _solve(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
+    """``linalg.solve_triangular(A, B)``: a batch of systems, each solved alone (the gated delta rule's
+    chunks, one per head): split features on the batch dims stay where they are (their minor part may lie on
+    a matrix's dims: a key head's features); split on a matrix's dims, they stop."""
+    me, out = node.tensors[pos], node.outputs[0]
+    if feats.lead.dim >= _rank(me) - 2:
+        return f"'{node.op}' solves along the sharded dimension"
+    shift = _rank(out) - _rank(me)
+    return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
+
+
 _HANDLERS: dict[str, Callable[[Node, int, Features], Union[Step, Stop]]] = {
     "view_as_complex": _view_complex, "view_as_real": _view_complex, "layer_norm": _norm,
     "rms_norm": _norm, "repeat_interleave": _repeat_interleave, "repeat": _repeat,
+    "solve_triangular": _solve, "linalg_solve_triangular": _solve,
 }  # more are registered by ``indexing`` (slices, getitem, cat, gather) and ``vocab`` (a loss over split logits)
 _GROUPS = ((POINTWISE | FIRST_ONLY - VIEWS - EXPANDS, _pointwise), (VIEWS, _view), (EXPANDS, _expand),
            (PERMUTES, _permute), (REDUCTIONS, _reduce), (ALONG_DIM, _along_dim),

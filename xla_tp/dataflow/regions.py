@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any, Optional
 
+from . import concats
 from .contract import contraction
 from .graph import Copy, Graph, Node, Value
 from .ops import Step, step, trace_param
@@ -111,6 +112,11 @@ class Region:
     # where the features sit in it: offset, size); each row projection reading one -> (offset, size, the cat)
     concats: dict[int, tuple[Node, int, int]] = field(default_factory=dict)
     row_blocks: dict[int, tuple[int, int, Node]] = field(default_factory=dict)
+    # concatenations read channel by channel and split back into their pieces (``concats``): cat node index ->
+    # the cat; the parameters applied one entry per channel of one (a depthwise kernel): param index ->
+    # (param, its dim, the cat)
+    laid: dict[int, Node] = field(default_factory=dict)
+    laid_partners: dict[int, tuple[Value, int, Node]] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -163,13 +169,14 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
                 or len(was.consumers) != len(now.consumers) or not all(inside(n.index) for n, _ in was.consumers)
                 or not all(copy.holds(n.index) for n, _ in now.consumers)):
             return None
-    partners_of = {}
-    for param, dim, window in region.partners.values():
+    node = lambda n: graph.nodes[n.index + copy.node_shift]  # noqa: E731
+    partners_of, laid_partners = {}, {}
+    for found, (param, dim, at) in [*((partners_of, p) for p in region.partners.values()),
+                                    *((laid_partners, (p, d, node(cat))) for p, d, cat in region.laid_partners.values())]:
         other = graph.params.get(rename(param.name, copy.source, copy.target))
         if other is None:
             return None
-        partners_of[other.index] = (other, dim, window)
-    node = lambda n: graph.nodes[n.index + copy.node_shift]  # noqa: E731
+        found[other.index] = (other, dim, at)
     moved = lambda d: {i + copy.node_shift: v for i, v in d.items()}  # noqa: E731
     rows = {}
     for i, (row, param, dim) in region.rows.items():
@@ -186,10 +193,12 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
         row_windows=moved(region.row_windows), copied={}, granule_windows=dict(region.granule_windows),
         partners=partners_of, reduction_windows=moved(region.reduction_windows),
         concats={i + copy.value_shift: (node(n), *at) for i, (n, *at) in region.concats.items()},
-        row_blocks={i + copy.node_shift: (*at, node(n)) for i, (*at, n) in region.row_blocks.items()})
+        row_blocks={i + copy.node_shift: (*at, node(n)) for i, (*at, n) in region.row_blocks.items()},
+        laid={i + copy.node_shift: node(n) for i, n in region.laid.items()}, laid_partners=laid_partners)
 
 
-_ASSIGNED = ("values", "rows", "row_windows", "reductions", "reduction_windows", "concats", "row_blocks")  # a dict entry set again takes
+_ASSIGNED = ("values", "rows", "row_windows", "reductions", "reduction_windows", "concats", "row_blocks", "laid",
+             "laid_partners")  # a dict entry set again takes
 # the new item
 _FIRST = ("ends", "granules", "granule_windows", "partners")  # a dict entry set again keeps the first item
 _MEMBERS = ("windows", "attention", "slicers", "merges")  # a set's members
@@ -299,9 +308,14 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
             if is_attention(node):
                 change("attention", node.index)
             s = step(node, pos, feats)
+            carried = None  # the concatenation the outputs still hold, laid device-major
             if concat is not None and s.row is None and not s.stop:
-                s = Step(stop=f"concatenates along the sharded dimension ({describe(concat[0])}), which only a row "
-                              f"projection may read, for another op")
+                s, carried = _laid_step(region, node, pos, feats, s, concat[0])
+                if carried is not None:
+                    for param, dim in partners(node, pos, feats):
+                        change("laid_partners", param.index, (param, dim, carried))
+                elif not s.stop:
+                    change("laid", concat[0].index, concat[0])
             if s.reduces and window != whole and not region.attention:  # a statistic over one block of a packed
                 # output with no heads between (a norm of one block of a residual stream's width): not a partial sum
                 s = Step(stop=f"reduces ({node.op}) over one block of a packed projection's split features")
@@ -322,7 +336,7 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
                 change("reductions", node.index, node)
                 change("reduction_windows", node.index, window)
                 continue
-            for param, dim in partners(node, pos, feats):
+            for param, dim in partners(node, pos, feats) if carried is None else ():
                 change("partners", param.index, (param, dim, window))
             for i, f in s.outputs:
                 out = node.outputs[i]
@@ -331,6 +345,8 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
                     change("values", out.index, f)
                     if s.concat is not None:
                         change("concats", out.index, (node, *s.concat))
+                    elif carried is not None:
+                        change("concats", out.index, concat)
                     if (f.base, f.span) != (feats.base, feats.span):
                         change("slicers", node.module)
                     if f.hard and not _split_per_block(out, f):
@@ -354,6 +370,30 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
         node = next(iter(region.reductions.values()))
         region.stop, region.stop_node = f"reduces ({node.op}) over the sharded dimension", node
     return region
+
+
+def _laid_step(region: Region, node: Node, pos: int, feats: Features, s: Step,
+               cat: Node) -> tuple[Step, Optional[Node]]:
+    """``s`` for a concatenation along the split features read by another op than a row projection: the op
+    keeps it laid device-major (``concats.channelwise``: ``s`` and the cat the outputs still hold), or splits
+    it back into its pieces (their own features, found on the cat's inputs), or stops."""
+    if concats.channelwise(node, pos, feats.lead.dim):  # the channels hold every piece: one factor over them
+        outs = [(i, Features((Factor(f.lead.dim, n, feats.span / n),), feats.base))
+                for i, f in s.outputs for n in [node.outputs[i].shape[f.lead.dim]]]
+        return Step(outs), cat
+    got = concats.pieces(node, feats.lead.dim, cat)
+    if got is not None:
+        outs = []
+        for i, j in got:
+            piece = cat.arg(0, "tensors")[j]
+            f = region.values.get(piece.index)
+            if f is None or piece.shape != node.outputs[i].shape:
+                return Step(stop=f"concatenates along the sharded dimension ({describe(cat)}) features no split "
+                                 f"block computes, split back by {describe(node)}"), None
+            outs.append((i, f))
+        return Step(outs), None
+    return Step(stop=f"concatenates along the sharded dimension ({describe(cat)}), which only a row projection "
+                     f"or ops on each channel alone, split back into its pieces, may read, for another op"), None
 
 
 def _kept(rests: Optional[Rests], marks: list[tuple[tuple, dict[str, int]]], log: _Log, region: Region) -> Region:

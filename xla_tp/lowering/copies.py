@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .concat import per_device
+from .blocks import per_device
 from .tags import Tag
 
 _KV = Tag("kv_copies")  # on a copied block as the model sees it: (copies as heads, the head dim)

@@ -28,7 +28,7 @@ from torch import nn
 
 from ..state import drop_implied_output, ensure_param_state, param_state
 from . import context, copies, scope
-from .concat import laid, per_device
+from .blocks import laid, per_device
 from .packed import packing_of
 
 

@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.overrides import TorchFunctionMode, resolve_name
 
-from . import bmm, channels, concat, copies, packed, patchify, transposed
+from . import bmm, channels, concat, copies, packed, patchify, rows, transposed
 from .entry import GETITEM, HANDLERS as ENTRY
 
 
@@ -265,8 +265,8 @@ def _first(*tables: dict[Callable, Callable]) -> dict[Callable, Callable]:
 # an owner's ``x @ w.T`` (Falcon's ``FalconLinear`` in its MLP) is its ``F.linear`` there too (column groups)
 OWNED = _first(ENTRY, transposed.HANDLERS)
 # copies first: they act on copied keys/values only, which entry's ``x[index]`` would take as any tensor
-IN_SITE = _first(copies.HANDLERS, ENTRY, bmm.HANDLERS, patchify.HANDLERS, transposed.HANDLERS, channels.HANDLERS,
-                 concat.HANDLERS)
+IN_SITE = _first(copies.HANDLERS, ENTRY, bmm.HANDLERS, rows.HANDLERS, patchify.HANDLERS, transposed.HANDLERS,
+                 channels.HANDLERS, concat.HANDLERS)
 _RESHAPES = {torch.Tensor.view, torch.Tensor.reshape}
 _ELEMENTWISE = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__, torch.add, torch.Tensor.add,
                 torch.Tensor.__add__, torch.Tensor.__radd__, torch.sub, torch.Tensor.sub, torch.Tensor.__sub__,

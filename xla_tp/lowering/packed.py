@@ -33,7 +33,7 @@ from torch import nn
 from ..plan.packing import Packing
 from ..state import ensure_param_state, param_state
 from .tags import Tag
-from .concat import per_device
+from .blocks import per_device
 from .copies import copied_block, copied_head
 
 _TAG = Tag("packed_output")  # on a re-laid projection's output during a forward: its Packing

@@ -24,7 +24,7 @@ from torch import nn
 
 from ..state import ensure_param_state, param_state
 from . import scope
-from .concat import per_device
+from .blocks import per_device
 
 
 class Tie:

@@ -58,6 +58,7 @@ class Plan(dict):
         self.packings: dict[str, Packing] = {}
         self.slicers: frozenset[str] = frozenset()
         self.concats: dict[tuple[int, ...], int] = {}  # concatenations laid device-major (``Roles.concats``)
+        self.tagged_concats: set[tuple[int, ...]] = set()  # those read channel by channel (``Roles.tagged_concats``)
         self.graph: Optional[Graph] = None
         self.choices: list[Choice] = []  # blocks off the optimum, with their priced alternatives
         self.prices: list[tuple[str, Price]] = []  # each block split (its projections) and its price
@@ -105,7 +106,7 @@ def build_plan(model: nn.Module, graph: Graph, roles: Roles) -> Plan:
             styles[fqn] = LogicalStyle({}, "sums split stacked experts (a partial sum)", Partial())
     _compress(plan, styles, [f for f, _ in model.named_modules()])
     plan.slicers = frozenset(roles.sites)
-    plan.concats = dict(roles.concats)
+    plan.concats, plan.tagged_concats = dict(roles.concats), set(roles.tagged_concats)
     plan.graph = graph
     plan.choices, plan.whole_attention, plan.blocks = roles.choices, roles.whole_attention, roles.blocks
     plan.prices = roles.prices

@@ -33,6 +33,7 @@ from fractions import Fraction
 from enum import Enum
 from typing import Mapping, Optional, Sequence
 
+from ..dataflow.concats import offsets
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.patches import patches
 from ..dataflow.regions import Projection, Region, describe, explored
@@ -92,7 +93,9 @@ class Roles:
     sites: set[str] = field(default_factory=set)  # modules that slice a packed projection's blocks or merge
     # heads with the batch
     concats: dict[tuple[int, ...], int] = field(default_factory=dict)  # the sizes of concatenations along split
-    # features laid device-major (the row reading one is re-laid) -> over how many devices
+    # features laid device-major (the row reading one is re-laid, or ops on each channel alone) -> over how many devices
+    tagged_concats: set[tuple[int, ...]] = field(default_factory=set)  # those read channel by channel and split
+    # back into their pieces (``dataflow.concats``): tagged as a re-laid output
     natural: dict[str, str] = field(default_factory=dict)  # module FQN -> what its own output is (a tied
     # weight is an embedding in one module and an output head in another)
 
@@ -100,7 +103,8 @@ class Roles:
         """A copy with containers of its own (planners set entries; a ``ParamRole`` is never changed)."""
         return Roles(params=dict(self.params), groups=[list(g) for g in self.groups], blocks=list(self.blocks),
                      choices=list(self.choices), prices=list(self.prices), whole_attention=list(self.whole_attention),
-                     sites=set(self.sites), natural=dict(self.natural), concats=dict(self.concats))
+                     sites=set(self.sites), natural=dict(self.natural), concats=dict(self.concats),
+                     tagged_concats=set(self.tagged_concats))
 
     def set(self, weight: Value, role: ParamRole, module: Optional[str] = None) -> None:
         if module is not None and role.natural:
@@ -257,6 +261,7 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
             roles.sites |= r.slicers
         if not pad[0]:
             _set_partners(roles, r, packing, ways, logical)
+            _set_laid(roles, r, ways, logical)
         roles.sites |= r.merges  # heads merged with the batch: kept 4-D there (lowering.bmm)
     for index, (node, param, dim) in rows.items():
         axes = ["embed"] * len(param.shape)
@@ -364,6 +369,31 @@ def _set_partners(roles: Roles, r: Region, packing: Optional[Packing], ways: int
                                    f"one entry per feature or head{copies}", "", laid))
 
 
+def _set_laid(roles: Roles, r: Region, ways: int, logical: str) -> None:
+    """The concatenations of ``r``'s features read channel by channel (``Region.laid``), laid device-major over
+    ``ways`` devices, and the kernels applied one entry per channel of one, re-laid the same way."""
+    for cat in r.laid.values():
+        sizes = tuple(n for _, n in offsets(cat))
+        roles.concats[sizes] = ways
+        roles.tagged_concats.add(sizes)
+        roles.sites.add(cat.module)
+    for param, dim, cat in r.laid_partners.values():
+        axes: list[Optional[str]] = [None] * len(param.shape)
+        axes[dim] = logical
+        blocks = tuple(offsets(cat))
+        roles.set(param, ParamRole("column", tuple(axes), f"split with the channels of {describe(cat)} it is applied "
+                                   f"to, one entry per channel, re-laid device-major like them (blocks "
+                                   f"{[n for _, n in blocks]})", "", Packing(dim, blocks, ways)))
+
+
+def _laid_problem(r: Region, tp: int) -> str:
+    bad = next((cat for cat in r.laid.values() if any(n % tp for _, n in offsets(cat))), None)
+    if bad is None:
+        return ""
+    return f"concatenates along the split features ({describe(bad)}) blocks of {[n for _, n in offsets(bad)]}, " \
+           f"which {tp} devices do not all divide"
+
+
 def _padding(dim: int, blocks: tuple[tuple[int, int], ...], tp: int, pad: tuple[int, int]) -> Packing:
     """Each block of ``pad[0]`` heads grown to ``pad[1]`` heads with zero heads, laid device-major."""
     heads, padded = pad
@@ -372,7 +402,7 @@ def _padding(dim: int, blocks: tuple[tuple[int, int], ...], tp: int, pad: tuple[
 
 def _problem(r: Region, ways: int) -> str:
     """Why ``r`` cannot split ``ways`` ways as the optimum does ("" if it can)."""
-    return _granule_problem(r, ways) or _packing_problem(r, ways)
+    return _granule_problem(r, ways) or _packing_problem(r, ways) or _laid_problem(r, ways)
 
 
 def _row_names(rows: dict[int, tuple[Node, Value, int]]) -> str:
