@@ -241,3 +241,23 @@ def test_a_block_whose_weight_is_replicated_by_disagreeing_uses_is_computed_whol
         plan = plan_for(TwoUses(), mesh={"model": 4}, example_inputs=(torch.randn(2, 16),))
     assert "uses disagree" in plan.replicated["router.weight"]
     assert "in one block with router.weight" in plan.replicated["coefs.weight"]  # not row-parallel over a whole input
+
+
+class MaskedIds(nn.Module):
+    """Gemma 3n's per-layer table: looked up with the token ids masked to its rows (``where(ids < n, ids, 0)``);
+    a position table beside it, looked up with indices computed from the ids' shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.positions, self.out = nn.Embedding(32, 16), nn.Embedding(16, 16), nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        kept = torch.where(input_ids < self.table.num_embeddings, input_ids, 0)
+        where = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return self.out(self.table(kept) + self.positions(where))
+
+
+def test_a_table_looked_up_with_masked_token_ids_is_vocab_parallel():
+    plan = plan_for(MaskedIds(), mesh={"model": 4}, example_inputs=(torch.randint(0, 48, (2, 16)),))
+    assert plan.roles["table.weight"].kind == "vocab" and plan.roles["table.weight"].axes == ("vocab", "embed")
+    assert plan.replicated["positions.weight"].startswith("position/type embedding")

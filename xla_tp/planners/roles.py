@@ -462,11 +462,21 @@ def _embeddings(graph: Graph, roles: Roles) -> dict[str, int]:
 
 
 def _is_input(v: Value) -> bool:
-    """``v`` is a model input, reshaped or cast at most (token ids, not positions computed from them)."""
+    """``v`` is a model input, reshaped or cast at most, or masked (token ids, not positions computed from
+    them): ``torch.where(ids < n, ids, 0)`` keeps the ids of a table of ``n`` rows (Gemma 3n's per-layer
+    table), every id still one row of it."""
     while v.kind != "input":
         node = v.producer
-        if node is None or node.op not in ("view", "reshape", "flatten", "to", "long", "int", "contiguous",
-                                            "clone", "detach", "unsqueeze", "squeeze") or not node.tensors:
+        if node is None or not node.tensors:
+            return False
+        if node.op == "where":
+            kept = [t for t in node.tensors[1:] if t.dynamic]
+            if len(node.tensors) < 2 or len(kept) != 1 or node.arg(1, "input") is not kept[0]:
+                return False
+            v = kept[0]
+            continue
+        if node.op not in ("view", "reshape", "flatten", "to", "long", "int", "contiguous", "clone", "detach",
+                           "unsqueeze", "squeeze"):
             return False
         v = node.tensors[0]
     return True
