@@ -283,7 +283,9 @@ def test_transformer_encoder_self_attention_has_one_input_gradient_per_projectio
 def test_gemma3n_altup_stacks_its_innovation_without_moving_the_batch():
     """Gemma 3n's AltUp stacks a batch-split activation in a new leading dim (``innovation.repeat(2, 1, 1, 1)``),
     which torch_xla lowers to an op GSPMD reshards with all-to-alls over the data axis (4 on 2 layers); lowered
-    as the broadcast it is, the forward has the plan's all-reduces only, and neither pass moves the batch.
+    as the broadcast it is, the forward has all-reduces only, and neither pass moves the batch. Compute and
+    parameters split within 15% of 1/4 each (the per-layer table vocab-parallel, the per-layer gate and projection
+    a column -> row pair, the AltUp projections row-parallel alone).
     ``altup.prediction_coefs`` contracts the router's features, which the router's other use keeps whole: it
     is computed whole too (no padding of its 2 inputs to 4, no all-reduce). Logits match the CPU model."""
     mesh = xla_tp.make_mesh(data=2, model=4)
@@ -300,9 +302,17 @@ def test_gemma3n_altup_stacks_its_innovation_without_moving_the_batch():
     x = ids()
     xd = x.to(torch_xla.device())
     fwd, bwd = xla_tp.audit(model, input_ids=xd), xla_tp.audit(model, input_ids=xd, backward=True)
-    assert set(fwd.collectives) == set(bwd.collectives) == {"all-reduce"}, (fwd, bwd)
-    assert fwd.count("all-reduce") == fwd.expected["all-reduce"]["count"] and fwd.comm_ratio == 1.0, fwd
-    assert bwd.comm_ratio <= 1.10, bwd
+    assert set(fwd.collectives) == {"all-reduce"} and fwd.comm_ratio <= 1.01, fwd
+    # the AltUp projections split over their input features (row-parallel alone) and the per-layer gate multiplied
+    # by the whole per-layer input gather the gradients of those whole inputs in the backward (which the minimum
+    # does not count: 8% of it here); nothing else gathers, and the all-reduces stay at the minimum
+    tokens = x.numel() // 2  # per device: the batch split over the data axis
+    gathers = 2 * tokens * cfg.hidden_size * 4 + 2 * tokens * cfg.num_hidden_layers * cfg.hidden_size_per_layer_input * 4
+    assert set(bwd.collectives) == {"all-reduce", "all-gather"}, bwd
+    assert bwd.collectives["all-gather"]["bytes"] == gathers, bwd
+    assert bwd.collectives["all-reduce"]["bytes"] <= 1.02 * bwd.comm_minimum_bytes, bwd
+    for report in (fwd, bwd):  # the per-layer table, gate and projection, the AltUp projections split too
+        assert report.compute_balance <= 1.15 and report.param_memory_ratio <= 1.15, report
     assert max_err(model(input_ids=xd).logits, ref(input_ids=x).logits) < 1e-4
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 from torch import nn
+from torch.distributed.tensor.placement_types import Partial, Replicate
 
 import xla_tp
 from xla_tp import PlanError
@@ -241,3 +242,48 @@ def test_a_block_whose_weight_is_replicated_by_disagreeing_uses_is_computed_whol
         plan = plan_for(TwoUses(), mesh={"model": 4}, example_inputs=(torch.randn(2, 16),))
     assert "uses disagree" in plan.replicated["router.weight"]
     assert "in one block with router.weight" in plan.replicated["coefs.weight"]  # not row-parallel over a whole input
+
+
+class MaskedIds(nn.Module):
+    """Gemma 3n's per-layer table: looked up with the token ids masked to its rows (``where(ids < n, ids, 0)``);
+    a position table beside it, looked up with indices computed from the ids' shape."""
+
+    def __init__(self):
+        super().__init__()
+        self.table, self.positions, self.out = nn.Embedding(32, 16), nn.Embedding(16, 16), nn.Linear(16, 8)
+
+    def forward(self, input_ids):
+        kept = torch.where(input_ids < self.table.num_embeddings, input_ids, 0)
+        where = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+        return self.out(self.table(kept) + self.positions(where))
+
+
+def test_a_table_looked_up_with_masked_token_ids_is_vocab_parallel():
+    plan = plan_for(MaskedIds(), mesh={"model": 4}, example_inputs=(torch.randint(0, 48, (2, 16)),))
+    assert plan.roles["table.weight"].kind == "vocab" and plan.roles["table.weight"].axes == ("vocab", "embed")
+    assert plan.replicated["positions.weight"].startswith("position/type embedding")
+
+
+class SideStream(nn.Module):
+    """Gemma 3n's shapes: a square projection normalised with the stream it joins (a stop for a column split), a
+    gate multiplied (``torch.multiply``) by a whole per-token input before the projection back, a small router."""
+
+    def __init__(self):
+        super().__init__()
+        self.side, self.router = nn.Linear(16, 16, bias=False), nn.Linear(16, 4, bias=False)
+        self.gate, self.back, self.norm = nn.Linear(16, 8, bias=False), nn.Linear(8, 16, bias=False), nn.LayerNorm(16)
+
+    def forward(self, x, extra):
+        h = self.norm(x + self.side(x))
+        return self.back(torch.multiply(torch.tanh(self.gate(h)), extra)) + h * self.router(h).softmax(-1)[..., :1]
+
+
+def test_a_square_projection_left_whole_splits_over_its_inputs_and_torch_multiply_is_followed():
+    plan = plan_for(SideStream(), mesh={"model": 4}, example_inputs=(torch.randn(2, 5, 16), torch.randn(2, 5, 8)))
+    side = plan.roles["side.weight"]
+    assert (side.kind, side.axes) == ("row", ("embed", "mlp")) and "all-gather of its input's gradient" in side.why
+    assert "layer_norm" in side.why  # why not column-parallel
+    assert plan.roles["gate.weight"].kind == "column" and plan.roles["back.weight"].kind == "row"
+    assert "router.weight" in plan.replicated  # not square: a row split would all-reduce more than it saves
+    layout = plan["side"].lower("side", SideStream().side, "side", "model")
+    assert layout.natural_output == Partial() and layout.inputs == ((Replicate(), Replicate()),)

@@ -38,7 +38,7 @@ alpha_dropout feature_alpha_dropout eq ne lt le gt ge logical_and logical_or log
 invert bitwise_and bitwise_or bitwise_not bitwise_xor isnan isinf isfinite nan_to_num round floor ceil trunc frac
 fmod remainder atan atan2 sinh cosh asin acos logit xlogy copysign heaviside polar complex real imag conj
 radd rsub rmul rdiv rtruediv rpow requires_grad_ fill_ zero_ add_ sub_ mul_ div_ masked_fill_ clamp_ tanh_
-sigmoid_ exp_ neg_ pow_ iadd isub imul itruediv
+sigmoid_ exp_ neg_ pow_ iadd isub imul itruediv subtract multiply divide
 """.split())
 FIRST_ONLY = frozenset({"to", "type", "type_as", "view_as", "reshape_as", "expand_as"})  # later args: not data
 VIEWS = frozenset({"view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "view_as", "reshape_as",

@@ -49,10 +49,11 @@ class LogicalStyle(Style):
     natural_output: Optional[Placement] = None  # Partial() for a row-parallel module (see ModuleLayout)
     outputs: tuple[Chain, ...] = ()  # output constraints (an output head keeps its logits split)
     input_grad: bool = False  # an MoE experts layer's (see ModuleLayout)
+    inputs: tuple[Chain, ...] = ()  # input constraints (a row-parallel projection alone holds its input whole)
 
     def lower(self, fqn: str, module: nn.Module, key: str, tp_axis: str) -> ModuleLayout:
         specs = {n: tuple(_named(mesh_axis(a), tp_axis) for a in axes) for n, axes in self.params.items()}
-        ml = ShardParams(specs, outputs=self.outputs, natural_output=self.natural_output,
+        ml = ShardParams(specs, inputs=self.inputs, outputs=self.outputs, natural_output=self.natural_output,
                          input_grad=self.input_grad).lower(fqn, module, key, tp_axis)
         ml.style = self.role or repr(self)
         return ml

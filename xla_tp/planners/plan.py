@@ -23,7 +23,7 @@ import re
 from typing import Any, Mapping, Optional
 
 from torch import nn
-from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 
 from ..dataflow.graph import Graph
 from ..errors import PlanError
@@ -119,7 +119,8 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     kinds = {r.kind for r in params.values()}
     kind = next(k for k in (Role.ROW, Role.VOCAB, Role.HEAD, Role.COLUMN, Role.EXPERTS) if k in kinds)
     if natural is None:
-        natural = next((n for n in ("partial", "rows") if any(r.natural == n for r in params.values())), "shard")
+        natural = next((n for n in ("partial", "whole input", "rows") if any(r.natural == n for r in params.values())),
+                       "shard")
     if kind in (Role.VOCAB, Role.HEAD):
         kind = Role.HEAD if natural == "shard" else Role.VOCAB
     # an output head's logits are held split (and their gradient): a compiler left to choose may
@@ -128,9 +129,13 @@ def _style(params: dict[str, ParamRole], natural: Optional[str]) -> LogicalStyle
     # "rows": stacked experts split by experts emit their experts' rows of a [E * tokens, ...] output (the sum
     # over the experts, after them, is the reduction); a routed layer's own math contracts its split input back,
     # as torch's MultiheadAttention's does (its column-split in_proj_weight, then out_proj inside its forward)
-    placement = {"partial": Partial(), "rows": Shard(0)}.get(natural, Shard(-1))
+    placement = {"partial": Partial(), "whole input": Partial(), "rows": Shard(0)}.get(natural, Shard(-1))
+    # "whole input": a row-parallel projection alone (``roles._set_alone``) reads the whole activation, held so at
+    # run time (a chain of two: ``constraints.runtime_chain`` leaves out a single Replicate as implied); left free,
+    # the compiler carries the weight's split input features back into the residual stream (all-gathers in the layers)
+    inputs = ((Replicate(), Replicate()),) if natural == "whole input" else ()
     return LogicalStyle({n: r.axes for n, r in sorted(params.items())}, kind.text, placement, outputs,
-                        input_grad=kind in (Role.EXPERTS, Role.COLUMN) and natural == "partial")
+                        input_grad=kind in (Role.EXPERTS, Role.COLUMN) and natural == "partial", inputs=inputs)
 
 
 def _compress(plan: Plan, styles: dict[str, LogicalStyle], modules: list[str]) -> None:

@@ -13,7 +13,10 @@ From a traced forward (``xla_tp.dataflow``), for a model axis of ``tp`` devices:
    are re-laid so each device holds its part of every block.
 3. A projection whose features only reach the model's output is an output head (vocab-parallel);
    an embedding looked up with the model's input ids is vocab-parallel; torch's MultiheadAttention
-   is its own group. Everything else is replicated, with the reason.
+   is its own group. A square projection left whole by a stop (Gemma 3n's AltUp projections, hidden -> hidden)
+   is row-parallel alone: split over its input features, its whole input sliced on each device, its output
+   all-reduced (its input's gradient all-gathered in the backward). Everything else is replicated, with the
+   reason.
 4. Attention that no group splits is computed whole, listed with what stopped it (``whole_attention``).
 
 Module names are never read: they only label explanations. Example:
@@ -71,7 +74,8 @@ class ParamRole:
     kind: Role
     axes: Axes
     why: str
-    natural: str = ""  # "shard" (column/head), "partial" (row/vocab embedding) or "rows" (stacked experts split by
+    natural: str = ""  # "shard" (column/head), "partial" (row/vocab embedding), "whole input" (a row alone: partial,
+    # its input held whole) or "rows" (stacked experts split by
     # experts: their rows of [E * tokens, ...]): the module's own output
     packing: Optional[Packing] = None
 
@@ -156,6 +160,9 @@ def decide(graph: Graph, tp: int, padding: str = "", pick: Optional[Pick] = None
             taken[node.index] = "head"
         elif patches(region.projection):
             _set_patches(roles, region.projection, tp)
+            taken[node.index] = "row"
+        elif region.stop and node.index not in reasons and _square(region.projection, tp):
+            _set_alone(roles, region)
             taken[node.index] = "row"
         else:
             why = reasons.get(node.index) or stop_reason(region)
@@ -492,11 +499,21 @@ def _embeddings(graph: Graph, roles: Roles) -> dict[str, int]:
 
 
 def _is_input(v: Value) -> bool:
-    """``v`` is a model input, reshaped or cast at most (token ids, not positions computed from them)."""
+    """``v`` is a model input, reshaped or cast at most, or masked (token ids, not positions computed from
+    them): ``torch.where(ids < n, ids, 0)`` keeps the ids of a table of ``n`` rows (Gemma 3n's per-layer
+    table), every id still one row of it."""
     while v.kind != "input":
         node = v.producer
-        if node is None or node.op not in ("view", "reshape", "flatten", "to", "long", "int", "contiguous",
-                                            "clone", "detach", "unsqueeze", "squeeze") or not node.tensors:
+        if node is None or not node.tensors:
+            return False
+        if node.op == "where":
+            kept = [t for t in node.tensors[1:] if t.dynamic]
+            if len(node.tensors) < 2 or len(kept) != 1 or node.arg(1, "input") is not kept[0]:
+                return False
+            v = kept[0]
+            continue
+        if node.op not in ("view", "reshape", "flatten", "to", "long", "int", "contiguous", "clone", "detach",
+                           "unsqueeze", "squeeze"):
             return False
         v = node.tensors[0]
     return True
@@ -524,6 +541,27 @@ def _set_patches(roles: Roles, p: Projection, tp: int) -> None:
     if p.bias is not None:
         roles.set(p.bias, _replicated(p.bias, "bias of a row-parallel projection: added once, after the reduction"))
     roles.sites.add(p.node.module)  # where the lowering writes the convolution as an einsum (its patchify)
+
+
+def _square(p: Projection, tp: int) -> bool:
+    """A linear map of the hidden size to itself (Gemma 3n's AltUp projections), ``tp`` dividing it."""
+    weight = p.weight
+    return (p.node.op == "linear" and len(weight.shape) == 2 and weight.shape[0] == weight.shape[1]
+            and weight.shape[1] % tp == 0 and p.bias is None)
+
+
+def _set_alone(roles: Roles, region: Region) -> None:
+    """A square projection whose output must stay whole (``region`` stopped), split over its input features
+    (torch's ``RowwiseParallel(input_layouts=Replicate())``): each device contracts its part of the whole input,
+    one all-reduce of the output; in the backward its input's gradient, split likewise, is one all-gather. Its
+    weight and FLOPs split 1/tp, where computing it whole would hold and compute all of it on every device."""
+    p = region.projection
+    axes = ["embed"] * len(p.weight.shape)
+    axes[p.in_dims[0]] = "mlp"
+    why = (f"row-parallel alone: its {p.weight.shape[p.in_dims[0]]} input features split, each device contracting "
+           f"its part of the whole input; one all-reduce of its output, one all-gather of its input's gradient in "
+           f"the backward (column-parallel, its output {region.stop} ({describe(region.stop_node)}))")
+    roles.set(p.weight, ParamRole("row", tuple(axes), why, "whole input"), p.node.module)
 
 
 def _mha(graph: Graph, tp: int, roles: Roles, covered: set[int]) -> None:
