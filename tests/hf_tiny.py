@@ -53,6 +53,21 @@ def tiny_llava(seed: int = 0) -> tuple[T.LlavaForConditionalGeneration, dict[str
     return model.eval(), {"input_ids": ids, **_pixels()}
 
 
+def tiny_gemma3_vl(seed: int = 0) -> tuple[T.Gemma3ForConditionalGeneration, dict[str, torch.Tensor]]:
+    """A Gemma 3 (SigLIP tower of ``VISION``, a Gemma 3 text model of ``LLAMA``'s sizes, head dim 8) in eval mode, and
+    an image call by keyword as its processor makes it: 4 images, each pooled to 4 placeholder tokens in 12,
+    ``token_type_ids``."""
+    torch.manual_seed(seed)
+    image = LLAMA["vocab_size"] - 1
+    text = T.Gemma3TextConfig(**LLAMA, head_dim=8)
+    model = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+        vision_config=T.SiglipVisionConfig(**VISION), text_config=text, mm_tokens_per_image=4, image_token_index=image,
+        boi_token_index=image - 2, eoi_token_index=image - 3))
+    ids = torch.randint(4, image - 3, (4, 12))
+    ids[:, 2:6] = image
+    return model.eval(), {"input_ids": ids, **_pixels(), "token_type_ids": (ids == image).long()}
+
+
 def tiny_qwen_vl(version: str = "2", seed: int = 0) -> tuple[T.PreTrainedModel, dict[str, torch.Tensor]]:
     """A Qwen2-VL or (``version`` "2.5") Qwen2.5-VL (its own tower: 2 blocks of 8 heads, 4x4 patches of 2 frames,
     merged 2x2; 2.5's first block attends within windows of 2x2 merged patches; a Qwen2 of ``LLAMA`` with M-RoPE)

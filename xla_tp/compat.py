@@ -101,6 +101,7 @@ def call(ref: str, loaded: str) -> Callable[[], Optional[Undo]]:
 
 
 _ENTRY = "xla_tp.lowering.entry"
+_REJOIN = "xla_tp.lowering.rejoin"
 EFFECTS: tuple[Effect, ...] = (
     Effect("histc", "torch.histc", TORCH_XLA,
            "XLA has no histogram of integers: MoE auxiliary losses count expert choices with it in the model's own "
@@ -112,6 +113,15 @@ EFFECTS: tuple[Effect, ...] = (
            "multimodal models put image features in place with it in their own forward, reached only by an image "
            "call: inside a parallelized model XLA tensors are placed in static shapes",
            replace("torch.Tensor.masked_scatter", f"{_ENTRY}:masked_scatter")),
+    Effect("tensor_unbind", "torch.Tensor.unbind", TORCH_XLA,
+           "multimodal models cut their image features per image (list(features), torch.split) and concatenate "
+           "them again, in their own forward; GSPMD moves the pieces of a batch split over data between devices "
+           "to concatenate them: inside a parallelized model the pieces of an XLA tensor are remembered",
+           replace("torch.Tensor.unbind", f"{_REJOIN}:cut")),
+    Effect("tensor_split", "torch.Tensor.split", TORCH_XLA, "as tensor_unbind", replace("torch.Tensor.split", f"{_REJOIN}:cut")),
+    Effect("cat", "torch.cat", TORCH_XLA,
+           "as tensor_unbind: inside a parallelized model, all the pieces of one XLA tensor, in order, along dimension 0, "
+           "are that tensor", replace("torch.cat", f"{_REJOIN}:joined")),
     Effect("dynamo_bridge", "torch_xla._dynamo.dynamo_bridge.extract_graph_helper", TORCH_XLA,
            "the bridge matches graph inputs by an id that SPMD re-stamps, so a compiled backward replays the "
            "first step's inputs; xla_tp matches them by device buffer",

@@ -10,8 +10,8 @@ from torch import nn
 
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.lowering import attention
-from xla_tp.lowering.entry import clamp_slices, placed
+from xla_tp.lowering import attention, rejoin
+from xla_tp.lowering.entry import by_row, clamp_slices, placed
 
 from ..helpers import collective_counts, max_err
 
@@ -159,6 +159,42 @@ def test_placed_features_equal_masked_scatter_values_and_gradients(shape, mask_s
         (out_got * weights).sum().backward()
         (out_want * weights).sum().backward()
         assert torch.equal(got[0].grad, want[0].grad) and torch.equal(got[1].grad, want[1].grad)
+
+
+def test_placed_features_of_one_image_per_row_are_read_within_the_row():
+    """Every row holding the same number of placeholders (an image per row): each row reads its own block of the
+    features (``by_row``), the values and both gradients ``masked_scatter``'s; one row more or less, not."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(4, 24, 1, dtype=torch.bool)
+    for row, start in enumerate((2, 0, 7, 18)):
+        mask[row, start:start + 5] = True
+    x, src = torch.randn(4, 24, 16, generator=g), torch.randn(4 * 5 * 16, generator=g)
+    assert by_row(mask.expand_as(x).reshape(4, -1), src)
+    got, want = [(x.clone().requires_grad_(), src.clone().requires_grad_()) for _ in range(2)]
+    out_got, out_want = placed(got[0], mask, got[1]), want[0].masked_scatter(mask, want[1])
+    assert torch.equal(out_got, out_want)
+    weights = torch.randn(out_got.shape, generator=g)
+    (out_got * weights).sum().backward()
+    (out_want * weights).sum().backward()
+    assert torch.equal(got[0].grad, want[0].grad) and torch.equal(got[1].grad, want[1].grad)
+    mask[0, 10], mask[1, 0] = True, False  # the same total, not per row
+    assert not by_row(mask.expand_as(x).reshape(4, -1), src)
+
+
+def test_pieces_joined_back_in_order_are_their_tensor():
+    """``torch.cat`` of all the pieces ``unbind`` or ``split`` cut along dimension 0, in order, is their tensor
+    (reshaped for ``unbind``); pieces out of order, some of them, or of two tensors are concatenated."""
+    x, y = torch.randn(4, 3, 2), torch.randn(4, 3, 2)
+    rows, halves = rejoin.cut(torch.Tensor.unbind)(x), rejoin.cut(torch.Tensor.split)(x, [1, 3])
+    assert not any(p in rejoin._pieces for p in (*rows, *halves))  # outside a parallelized model: not remembered
+    rejoin._pieces.update({p: (x, i, 4) for i, p in enumerate(rows)})
+    rejoin._pieces.update({p: (x, i, 2) for i, p in enumerate(halves)})
+    assert torch.equal(rejoin.whole(rows, 0), torch.cat(rows, 0)) and torch.equal(rejoin.whole(halves, -3), x)
+    others = list(y)
+    rejoin._pieces.update({p: (y, i, 4) for i, p in enumerate(others)})
+    for wrong in (rows[::-1], rows[:3], [*rows[:2], *others[2:]]):
+        assert rejoin.whole(wrong, 0) is None
+    assert rejoin.whole(rows, 1) is None
 
 
 WINDOWED = {  # transformers' cache keeps a window of their keys: its update slices from -window + 1 on a short sequence

@@ -108,7 +108,8 @@ def current():
             "bridge": dynamo_bridge.extract_graph_helper, "torch.xla": getattr(torch, "xla", None),
             "optimizer_hooks": (len(optimizer._global_optimizer_pre_hooks), len(optimizer._global_optimizer_post_hooks)),
             "where": torch.where, "nonzero": torch.nonzero, "tensor_nonzero": torch.Tensor.nonzero,
-            "histc": torch.histc, "tensor_histc": torch.Tensor.histc, "masked_scatter": torch.Tensor.masked_scatter}
+            "histc": torch.histc, "tensor_histc": torch.Tensor.histc, "masked_scatter": torch.Tensor.masked_scatter,
+            "cat": torch.cat, "tensor_unbind": torch.Tensor.unbind, "tensor_split": torch.Tensor.split}
 
 before = current()
 import xla_tp
@@ -148,7 +149,8 @@ def test_torch_functions_are_the_originals_once_no_parallelized_model_remains():
     out = json.loads(run_fresh(ORIGINALS, fast_compile=True).strip().splitlines()[-1])
     # torch's functions (F.linear, torch.matmul, SDPA, x[i], embedding, layer_norm, MHA, where, ...) stay torch's
     # own objects: the lowering is a mode around the modules that own a rewrite; what changes is what no module owns
-    everything = ["bridge", "histc", "masked_scatter", "optimizer_hooks", "tensor_histc", "torch.xla"]
+    everything = ["bridge", "cat", "histc", "masked_scatter", "optimizer_hooks", "tensor_histc", "tensor_split",
+                  "tensor_unbind", "torch.xla"]
     assert out["while_parallelized"] == everything
     assert out["one_left"] == everything
     assert out["none_left"] == [] and out["installed"] == []

@@ -274,7 +274,21 @@ def _contract(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
                for f in feats.factors}
     kept = replace(feats, factors=tuple(f for f in feats.factors if mapping[f.dim] is not None))
     moved = kept.moved(mapping)
+    if node.op == "scaled_dot_product_attention" and not isinstance(moved, str):
+        moved = _grouped_heads(node, me.shape[feats.lead.dim], moved)
     return _one(node, moved)
+
+
+def _grouped_heads(node: Node, heads: int, feats: Features) -> Union[Features, Stop]:
+    """SDPA with ``enable_gqa``: each of the ``heads`` key/value heads serves ``n`` query heads, as
+    ``repeat_interleave(n)`` along the heads would (``_repeat_interleave``)."""
+    lead, out = feats.lead, node.outputs[0].shape[feats.lead.dim]
+    if out == heads:
+        return feats
+    if out % heads or lead.size != heads or lead.outer != 1:
+        return "attention with grouped key/value heads that do not divide the query heads"
+    n = out // heads
+    return replace(feats, factors=(replace(lead, size=lead.size * n, stride=lead.stride / n), *feats.factors[1:]))
 
 
 def _repeat_interleave(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:

@@ -29,7 +29,8 @@ Three rewrites stay process-wide effects (``compat``), each where no module owns
 has no histogram of integers; routers' auxiliary losses count expert choices with it in the model's own
 forward or in the user's loss), ``masked_scatter`` (multimodal models put image features in place with it
 in their own forward, reached only by an image call) and ``keep_causal_mask`` (transformers reads the mask
-on the host before any attention module runs). Example::
+on the host before any attention module runs); the features ``masked_scatter`` places are concatenated from
+their pieces there too (``rejoin``). Example::
 
     with mode.active():                    # what an owner's hooks do around its forward
         F.scaled_dot_product_attention(q, k, v)    # inside a parallelized forward: two einsums
@@ -43,6 +44,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..axes import spec_entry
+from ..batch import batch_split
 from ..dataflow.indexing import indexed_dims
 from ..state import param_state
 from . import attention, context, copies, embedding as vocab, packed, scope, selection, slots, tied, transposed
@@ -142,16 +145,64 @@ def placed(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.T
     """``x.masked_scatter(mask, source)`` in static shapes: the k-th True of ``mask`` (row-major) takes the
     k-th element of ``source``. torch_xla lowers ``masked_scatter`` through ``nonzero``, whose dynamic shape
     GSPMD refuses on a batch split over devices (multimodal models put image features in place this way).
+    When every row (batch entry) holds the same share of ``source`` (one image per row, its features batched
+    like the rows: ``by_row``), each row reads its own block of ``source``, which stays on the devices of
+    that row's batch shard; otherwise the k-th True counts across the whole batch.
 
     >>> placed(torch.zeros(2, 3), torch.tensor([[True, False, True], [False, True, False]]), torch.arange(1., 4.))
     tensor([[1., 0., 2.],
             [0., 3., 0.]])
     """
     rows = mask.expand_as(x).reshape(x.shape[0] if x.dim() > 1 else 1, -1)  # a row per batch entry, kept split
+    if by_row(rows, source):
+        return _placed_by_row(x, mask, source)
     within = rows.to(torch.int32).cumsum(1)
     before = within[:, -1].cumsum(0) - within[:, -1]  # Trues of the rows before: one number per row moves
     order = (within + before[:, None] - 1).clamp(0, max(source.numel() - 1, 0))
     return torch.where(rows, source.reshape(-1)[order].to(x.dtype), x.reshape(rows.shape)).view(x.shape)
+
+
+def by_row(rows: torch.Tensor, source: torch.Tensor) -> bool:
+    """Whether each row of the mask ``rows`` (one per batch entry) has exactly ``source.numel() / len(rows)``
+    Trues: then row ``b``'s Trues take block ``b`` of ``source``, as they would counting across the batch.
+    The counts are read on the host (transformers reads their total on the host already, to check it).
+
+    >>> by_row(torch.tensor([[True, False, True], [True, True, False]]), torch.arange(4.))
+    True
+    >>> by_row(torch.tensor([[True, True, True], [False, True, False]]), torch.arange(4.))
+    False
+    """
+    n, b = source.numel(), rows.shape[0]
+    if n == 0 or n % b or torch.compiler.is_compiling():
+        return False
+    return bool((rows.sum(1) == n // b).all())
+
+
+def _placed_by_row(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """``placed`` where each row takes its own block of ``source`` (``by_row``): a gather within each row,
+    of whole feature vectors where the mask is broadcast over ``x``'s last dimension (transformers'
+    ``[batch, tokens, 1]`` mask), which keeps the rows' batch split."""
+    b = x.shape[0] if x.dim() > 1 else 1
+    width = x.shape[-1] if x.dim() > 1 and mask.shape[-1] == 1 else 1  # elements placed together
+    if source.numel() % (b * width):
+        width = 1
+    cells = _split_rows(x.reshape(b, -1, width))
+    chosen = mask.expand_as(x).reshape(cells.shape)[..., 0]  # [rows, cells]: all or none of a cell's elements
+    blocks = _split_rows(_split_rows(source).reshape(b, -1, width).to(x.dtype))  # split before and after
+    order = _split_rows((chosen.to(torch.int32).cumsum(1) - 1).clamp(0, blocks.shape[1] - 1).long())
+    found = blocks.gather(1, order[..., None].expand(-1, -1, width))
+    return torch.where(chosen[..., None], found, cells).view(x.shape)
+
+
+def _split_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (a row per batch entry) split over the running model's batch axes on its rows, where they divide
+    them (no running model, or a reference run of the plain computation: ``t``)."""
+    state = scope.current() if scope.lowering() else None
+    sharder = getattr(state, "sharder", None)
+    if sharder is None or not sharder.applies(t):
+        return t
+    batch = batch_split(t.shape[0], tuple(state.layout.batch_axes), sharder.sizes)
+    return sharder.constrain(t, (spec_entry(batch), *[None] * (t.dim() - 1)))
 
 
 def masked_scatter(original: Callable[..., Any]) -> Callable[..., Any]:
