@@ -7,7 +7,8 @@ compile counts (the 1x4 child: the forward audit only). Then the trace overhead 
 hand-written sharding (``overhead``).
 
 The 1x4 mesh runs in a child process with 4 CPU devices (a torch_xla mesh spans all devices).
-Options: ``--quick`` (one model, one width, the 1x8 mesh only, 3 timed steps, no 70B planning time), ``--out DIR``.
+Options: ``--quick`` (one model, one width, the 1x8 mesh only, 3 timed steps, 9 trace-overhead rounds, no 70B
+planning time), ``--out DIR``.
 Example: ``python -m bench --quick --out /tmp/bench``.
 """
 from __future__ import annotations
@@ -87,8 +88,8 @@ def main(argv=None) -> int:
     from .jax_route import NOTE as JAX_NOTE, ROUTE as JAX_ROUTE
     from .planning import planning_times
     from .render import CHART, render
-    from .overhead import trace_overhead
-    overhead = trace_overhead()
+    from .overhead import QUICK_TRACES, trace_overhead
+    overhead = trace_overhead(QUICK_TRACES) if args.quick else trace_overhead()
     print("trace overhead (paired medians of the same run):", json.dumps(overhead["ratios"]), flush=True)
     extra = {"e_xla_auto_sharding": summary(rows), JAX_ROUTE: JAX_NOTE,
              f"trace overhead ({overhead['model']}, paired median of {overhead['traces']} interleaved rounds, process CPU time)":

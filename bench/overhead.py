@@ -28,6 +28,7 @@ from .plans import hand_apply
 from .timing import WARMUP, stats, trace_once
 
 TRACES = 41
+QUICK_TRACES = 9  # rounds of ``python -m bench --quick`` (a smoke run of the same measurement)
 COLUMN, ROW = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"), ("o_proj", "down_proj")
 
 

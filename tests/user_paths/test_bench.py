@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import TRACES
+from bench.overhead import QUICK_TRACES
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,7 +40,7 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path):
             assert s.get("compiles") == 0 and s["warmup_compiles"] >= 1, (route, execution, s)  # none after warm-up
     assert "## Training steps" in table and "compiles 1 + 0" in table
     overhead = results["trace_overhead"]
-    assert overhead["traces"] == TRACES and set(overhead["ratios"]) == {
+    assert overhead["traces"] == QUICK_TRACES and set(overhead["ratios"]) == {
         "xla_tp / hand (torch plan)", "xla_tp / hand (SP plan)", "xla_tp (SP plan) / none", "hand (SP plan) / none"}
     assert all(0.5 < v < 3 for v in overhead["ratios"].values()), overhead["ratios"]
     auto = by_route["e_xla_auto_sharding"]  # runs on CPU, but the CPU compiler has no auto-sharding pass

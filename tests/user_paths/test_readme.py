@@ -4,6 +4,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 from ..fresh import run_fresh
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -38,6 +40,7 @@ print("CHECKS" + _json.dumps({
 """
 
 
+@pytest.mark.complete  # 90 s: every block of the README and the docs pages in one fresh process
 def test_every_python_block_runs_in_order():
     """As a reader pastes them, one after the other, in a process with only the documented environment;
     then what the blocks built is checked in that process (``CHECKS``)."""
