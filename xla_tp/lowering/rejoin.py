@@ -74,7 +74,7 @@ def joined(original: Callable[..., Any]) -> Callable[..., Any]:
     order, along dimension 0, are that tensor (``whole``); anything else the original's."""
     @functools.wraps(original)
     def concatenated(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or not scope.inside() or set(kwargs) - {"dim"} or len(args) > 1:
+        if torch.compiler.is_compiling() or not _pieces or not scope.inside() or set(kwargs) - {"dim"} or len(args) > 1:
             return original(tensors, *args, **kwargs)
         out = whole(tensors, kwargs.get("dim", args[0] if args else 0))
         return original(tensors, *args, **kwargs) if out is None else out
