@@ -107,14 +107,19 @@ def _one(node: Node, f: Union[Features, Stop]) -> Union[Step, Stop]:
     return Step([(i, f) for i in range(len(node.outputs))])
 
 
+def _aligned(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
+    """Input ``pos``'s features carried to the outputs with their dims aligned from the right (dims the output
+    adds in front: broadcasting, ``expand``, ``repeat``, a batch of triangular solves)."""
+    shift = _rank(node.outputs[0]) - _rank(node.tensors[pos])
+    return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
+
+
 def _pointwise(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     if node.op in FIRST_ONLY and pos != 0:
         return Step()  # a dtype/shape reference, not data
     if not node.outputs:
         return "writes in place with no result"
-    out_rank = _rank(node.outputs[0])
-    shift = out_rank - _rank(node.tensors[pos])
-    return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
+    return _aligned(node, pos, feats)
 
 
 def _view(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
@@ -126,8 +131,7 @@ def _view(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
 def _expand(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     if pos != 0:
         return Step()
-    shift = _rank(node.outputs[0]) - _rank(node.tensors[0])
-    return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
+    return _aligned(node, 0, feats)
 
 
 def _view_complex(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
@@ -315,18 +319,16 @@ def _repeat(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     shift = len(sizes) - _rank(node.tensors[0])
     if any(sizes[f.dim + shift] != 1 for f in feats.factors[:1]):
         return "repeats the sharded dimension"
-    return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
+    return _aligned(node, 0, feats)
 
 
 def _solve(node: Node, pos: int, feats: Features) -> Union[Step, Stop]:
     """``linalg.solve_triangular(A, B)``: a batch of systems, each solved alone (the gated delta rule's
     chunks, one per head): split features on the batch dims stay where they are (their minor part may lie on
     a matrix's dims: a key head's features); split on a matrix's dims, they stop."""
-    me, out = node.tensors[pos], node.outputs[0]
-    if feats.lead.dim >= _rank(me) - 2:
+    if feats.lead.dim >= _rank(node.tensors[pos]) - 2:
         return f"'{node.op}' solves along the sharded dimension"
-    shift = _rank(out) - _rank(me)
-    return _one(node, feats.moved({f.dim: f.dim + shift for f in feats.factors}))
+    return _aligned(node, pos, feats)
 
 
 _HANDLERS: dict[str, Callable[[Node, int, Features], Union[Step, Stop]]] = {
