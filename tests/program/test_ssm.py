@@ -77,6 +77,8 @@ def test_bamba_splits_its_mamba_and_attention_layers():
     want = ref.generate(input_ids=ids[:2, :8], max_new_tokens=5, do_sample=False)
     got = model.generate(input_ids=ids[:2, :8].to(torch_xla.device()), max_new_tokens=5, do_sample=False)
     assert torch.equal(got.cpu(), want)
+    with pytest.raises(xla_tp.GenerationError, match=r"model's own model\.generate"):  # the one that works, named
+        xla_tp.generate(model, ids[:2, :8].to(torch_xla.device()), max_new_tokens=5)
 
 
 def test_falcon_h1_scales_its_packed_projection_in_place():

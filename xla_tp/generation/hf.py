@@ -63,7 +63,8 @@ class HFDecoder:
         kinds = set(getattr(self.config, "layer_types", None) or ATTENTION_LAYERS[:1]) - set(ATTENTION_LAYERS)
         if kinds:
             raise GenerationError(f"{name} has {sorted(kinds)} layers; xla_tp.generate caches full and sliding-window "
-                                  f"attention layers only")
+                                  f"attention layers only: decode it with the model's own "
+                                  f"model.generate(input_ids=...), which runs parallelized with transformers' cache")
         self.model, self.placement = model, placement_of(model, dims=(0, 1))
         self.limit: Optional[int] = getattr(self.config, "max_position_embeddings", None)
         self.eos, self.pad = _generation_ids(model)
