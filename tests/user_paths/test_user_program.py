@@ -25,9 +25,10 @@ from torch.utils._pytree import tree_leaves
 import xla_tp
 from xla_tp import PlanError
 
-from .. import hf_tiny
+from xla_tp.zoo import keyword_models
+from xla_tp.zoo.keyword_models import LLAMA, VISION
+
 from ..fresh import run_fresh
-from ..hf_tiny import LLAMA, VISION
 from ..helpers import max_err
 from ..hlo_count import collectives_of, matmul_flops
 
@@ -69,13 +70,13 @@ def assert_audit_reads_the_program(report, text: str) -> None:
     assert report.comm_bytes == sum(b for _, b in found.values())
 
 
-CALLS = [pytest.param(name, "keyword", id=f"{name}-keyword") for name in hf_tiny.BUILDERS]
-CALLS += [pytest.param(name, "position", id=f"{name}-position", marks=pytest.mark.complete) for name in hf_tiny.BUILDERS]
+CALLS = [pytest.param(name, "keyword", id=f"{name}-keyword") for name in keyword_models.ENCODERS]
+CALLS += [pytest.param(name, "position", id=f"{name}-position", marks=pytest.mark.complete) for name in keyword_models.ENCODERS]
 
 
 @pytest.mark.parametrize("name,how", CALLS)
 def test_the_users_call_splits_the_batch_and_the_audit_reads_its_program(name, how, mesh):
-    cpu, inputs = hf_tiny.build(name)
+    cpu, inputs = keyword_models.build(name)
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     dev = on_device(inputs)
     main = model.main_input_name
@@ -116,7 +117,7 @@ def test_a_vision_language_models_text_and_image_calls(mesh):
     the program); the image features, cut per image and concatenated again by the model, are put in place by the
     placeholder mask within each row (one image per row): nothing moves over data, the layers' all-reduces only.
     The tower's hidden states (transformers captures them with hooks, which the trace keeps) are still returned."""
-    cpu, inputs = hf_tiny.tiny_llava()
+    cpu, inputs = keyword_models.build("llava")
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     specs = xla_tp.layout_of(model).params
     assert "model" in specs["model.vision_tower.encoder.layers.0.self_attn.q_proj.weight"], specs
@@ -142,7 +143,7 @@ def test_qwen_vl_a_vision_tower_of_flattened_patches_planned_and_its_text_and_im
     tower's rotary positions, which the model builds image by image and concatenates (a few integers:
     all-to-all), within 1.10 of the minimum and no all-gather. Qwen2.5-VL's tower reorders its patches into
     windows by an index the host holds, within each image: within each data shard (no all-reduce over data)."""
-    cpu, inputs = hf_tiny.tiny_qwen_vl(version)
+    cpu, inputs = keyword_models.build("qwen2_vl" if version == "2" else "qwen2_5_vl")
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     specs = xla_tp.layout_of(model).params
     mlp = ("fc1", "fc2") if version == "2" else ("up_proj", "down_proj")
@@ -163,7 +164,7 @@ def test_gemma3_vision_language_models_image_call(mesh):
     (``enable_gqa``, no ``repeat_kv``), which repeats each key/value head over its query heads, so its k/v
     projections split with them (parameters per device within 1.15 of the ideal); the image call computes what
     the CPU model does, at the communication minimum, no all-gather."""
-    cpu, inputs = hf_tiny.tiny_gemma3_vl()
+    cpu, inputs = keyword_models.build("gemma3_vl")
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     specs = xla_tp.layout_of(model).params
     assert "model" in specs["model.language_model.layers.0.self_attn.k_proj.weight"], specs
@@ -180,7 +181,7 @@ def test_gemma3_vision_language_models_image_call(mesh):
 def test_an_input_sharded_by_the_user_keeps_its_split(mesh):
     """``mark_sharding`` (or ``MpDeviceLoader``'s ``input_sharding``) on the input before a keyword call."""
     import torch_xla.distributed.spmd as xs
-    cpu, inputs = hf_tiny.build("vit")
+    cpu, inputs = keyword_models.build("vit")
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     pixels = inputs["pixel_values"].to(DEVICE)
     xs.mark_sharding(pixels, mesh, ("data", None, None, None))
@@ -206,7 +207,7 @@ def test_a_decoders_forward_and_backward_audit_equals_a_second_reading(mesh):
 
 def test_a_batch_that_does_not_divide_is_split_as_far_as_it_does_and_says_so():
     mesh = xla_tp.make_mesh(data=2, fsdp=2, model=2)
-    cpu, inputs = hf_tiny.build("esm")
+    cpu, inputs = keyword_models.build("esm")
     model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
     six = {k: v.repeat(2, 1)[:6] for k, v in inputs.items()}  # 6 rows: data=2 divides them, data x fsdp does not
     with pytest.warns(UserWarning, match=r"batch 6 does not divide over data=2 x fsdp=2 .* split over data only"):
