@@ -93,14 +93,13 @@ def test_hand_written_plans_split_every_projection_they_name():
     hand-written plan names modules of the family's tiny model, and each of them has its weight split."""
     from types import SimpleNamespace
 
-    from bench.families import HAND_PLANS
+    from bench.families import HAND_PLANS, build
     from bench.plans import plan_layout
     from xla_tp.plan.hf import hf_plan
     from xla_tp.plan.match import match_keys
-    from xla_tp.zoo.registry import build
     mesh = SimpleNamespace(axis_names=("data", "model"), mesh_shape=(2, 4))
     for family, plan in HAND_PLANS.items():
-        model = build(family)
+        model = build(family)[0]
         assert not hf_plan(model), f"{family} publishes a tp_plan now: use it, drop the hand one"
         found, unused = match_keys(list(plan), [n for n, _ in model.named_modules()])
         assert found and not unused, (family, unused)

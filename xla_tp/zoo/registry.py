@@ -59,6 +59,7 @@ HF_FAMILIES: dict[str, tuple[str, str, Callable[[int, int, int], dict]]] = {
     "glm": ("GlmConfig", "causal", lambda h, kv, n: {**_decoder(h, kv, n), "pad_token_id": 0}),
     "phi3": ("Phi3Config", "causal", lambda h, kv, n: {**_decoder(h, kv, n), "pad_token_id": 0}),
     "olmo": ("OlmoConfig", "causal", lambda h, kv, n: {**_decoder(h, HEADS, n), "pad_token_id": 0}),
+    "olmo2": ("Olmo2Config", "causal", lambda h, kv, n: {**_decoder(h, kv, n), "pad_token_id": 0}),
     "phi": ("PhiConfig", "causal", lambda h, kv, n: _decoder(h, HEADS, n)),
     "persimmon": ("PersimmonConfig", "causal", lambda h, kv, n: _decoder(h, HEADS, n)),
     "gpt_neox": ("GPTNeoXConfig", "causal", lambda h, kv, n: {**_decoder(h, HEADS, n), "use_parallel_residual": True}),
