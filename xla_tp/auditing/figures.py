@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ..axes import EXPERT, sequence_axes
+from ..lowering.groups import stacked_gradients
 from ..lowering.routed import dispatch_collectives
 from ..plan.layout import Layout, uses_axis
 from .hlo import Collective, dot_flops, mesh_axes_of_groups, parse_collectives
@@ -108,17 +109,19 @@ def _expert_dispatch(calls: list, module: nn.Module, sizes: dict[str, int], back
 
 def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int],
                           grad_numel: Callable[[str, torch.Tensor], int]) -> list[Expected]:
-    """One all-reduce per parameter gradient (its local size) over the batch axes, where one splits the
-    batch (all but the expert axis for a weight whose experts it splits: each device's own experts),
-    and over a context axis (each device's part of the sequence)."""
-    found = []
+    """One all-reduce per parameter gradient (its local size; one for a stacked group's members) over the
+    batch axes, where one splits the batch (all but the expert axis for a weight whose experts it splits:
+    each device's own experts), and over a context axis (each device's part of the sequence)."""
+    reduced: dict = {}  # one entry per gradient tensor: [elements, dtype, where]
+    stacked = stacked_gradients(module)
     for name, p in module.named_parameters():
         split = layout.params.get(name, ())
         axes = [a for a in layout.batch_axes if sizes.get(a, 1) > 1 and not (a == EXPERT and uses_axis(split, a))]
         axes += sequence_axes(sizes)
-        if p.requires_grad and axes:
-            found.append(Expected("all-reduce", grad_numel(name, p), p.dtype, name + " grad"))
-    return found
+        if p.requires_grad and axes:  # a column group computed stacked: its members' gradients are one tensor
+            entry = reduced.setdefault(stacked.get(id(p), name), [0, p.dtype, name + " grad"])
+            entry[0] += grad_numel(name, p)
+    return [Expected("all-reduce", elements, dtype, where) for elements, dtype, where in reduced.values()]
 
 
 def _hlo_float_itemsize(found: list) -> Optional[int]:

@@ -2,10 +2,14 @@
 
 q, k and v (or gate and up) read the same activation ``x``. Each one's input gradient ``dy_i @ W_i``
 contracts its split output dimension, so it is a partial sum; GSPMD all-reduces each of them before
-adding them up: three all-reduces of ``x``'s size where Megatron needs one. ``GroupedLinear`` computes
-the members' forwards as usual and, in backward, their input gradient as ONE contraction over the
-members' split rows laid side by side device-major (each device's rows of q, k and v next to each
-other, so nothing moves): one partial sum, one all-reduce. Weight gradients are per member, as before.
+adding them up: three all-reduces of ``x``'s size where Megatron needs one. Members of one shape (gate
+and up; q, k and v without grouped-query heads) are computed as one contraction with their weights
+stacked (``stacked_linear``): autograd's input gradient contracts the member and feature dims at once,
+one partial sum, one all-reduce, and the stacked weights take one weight gradient. Members of different
+shapes go through ``GroupedLinear``: the forwards as usual and, in backward, the input gradient as ONE
+contraction over the members' split rows laid side by side device-major (each device's rows of q, k and
+v next to each other, so nothing moves). The stacked form is the cheaper to trace: no Python backward,
+no re-laid blocks.
 
 A group is found by its members' weights: ``F.linear(x, W, b)`` inside a parallelized forward
 (``entry``'s ``F.linear`` handler, in the member that owns it) with ``W`` a member's weight asks the group, whose first member called with some
@@ -95,7 +99,9 @@ class ColumnGroup:
     def _compute(self, x: torch.Tensor, pairs: list[tuple[torch.Tensor, Optional[torch.Tensor]]]) -> None:
         if x.device.type == "xla":
             params = [copies.summed(t, packing_of(t)) for pair in pairs for t in pair]  # copied blocks
-            outputs = GroupedLinear.apply(self.tp, x, *params)
+            weights, biases = params[0::2], params[1::2]
+            outputs = (stacked_linear(self.tp, x, weights, biases) if stackable(weights, biases)
+                       else GroupedLinear.apply(self.tp, x, *params))
         else:  # torchax: JAX differentiates the forward, so the forward itself is one contraction
             outputs = stacked_linear(self.tp, x, [w for w, _ in pairs], [b for _, b in pairs])
         self._x, self._outputs = x, {id(w): (w, b, y) for (w, b), y in zip(pairs, outputs)}
@@ -105,11 +111,46 @@ class ColumnGroup:
         """Forget the last call (its tensors are held until then)."""
         self._x, self._outputs = None, {}
 
+    def stacks(self) -> bool:
+        """Whether the members are computed stacked (``stackable``): their weights (and biases) then take one
+        gradient, reduced over the batch axes as one tensor."""
+        mods = [m() for m in self.members]
+        return all(m is not None for m in mods) and stackable([m.weight for m in mods], [m.bias for m in mods])
+
+
+def stacked_gradients(model: nn.Module) -> dict[int, tuple[int, str]]:
+    """``id(parameter) -> key`` for the weights and biases of ``model``'s groups computed stacked: parameters of
+    one key take one gradient, reduced as one tensor (the ids are for the caller's loop, not to be kept)."""
+    keys = {}
+    for m in model.modules():
+        ps = param_state(m.weight) if isinstance(m, nn.Linear) else None
+        if ps is not None and ps.group is not None and ps.group.stacks():
+            keys.update({id(p): (id(ps.group), kind) for kind, p in (("weight", m.weight), ("bias", m.bias))
+                         if p is not None})
+    return keys
+
+
+def stackable(weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.Tensor]]) -> bool:
+    """Whether the members stack as they are: one weight shape, and biases on all of them or on none."""
+    return len({w.shape for w in weights}) == 1 and len({b is None for b in biases}) == 1
+
 
 def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
                    biases: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
-    """The members' outputs from one contraction with their rows stacked device-major (each device's
-    rows of every member side by side: nothing moves); differentiating it gives one input gradient."""
+    """The members' outputs from one contraction; differentiating it gives one input gradient. Members that
+    ``stackable`` calls so are stacked on a new leading dim (each member's split rows where they are);
+    others have their rows laid device-major (each device's rows of every member side by side: nothing moves).
+
+    >>> ws, bs = [torch.randn(4, 3), torch.randn(4, 3)], [None, None]
+    >>> x = torch.randn(2, 3)
+    >>> all(torch.allclose(y, x @ w.t()) for y, w in zip(stacked_linear(2, x, ws, bs), ws))
+    True
+    """
+    if stackable(weights, biases):
+        y = torch.einsum("...i,mfi->m...f", x, torch.stack(weights))       # [members, ..., out]
+        if biases[0] is not None:
+            y = y + torch.stack(biases).view(len(biases), *[1] * (x.dim() - 1), -1)
+        return torch.unbind(y, 0)  # not ``Tensor.unbind``, whose ``rejoin`` effect would remember the pieces
     stacked = torch.cat([per_device(w, tp, 0) for w in weights], dim=1)       # [tp, S, in]
     y = torch.einsum("...i,tsi->...ts", x, stacked)
     outputs, start = [], 0
