@@ -1,7 +1,7 @@
 """State-space mixers under "auto", called as a user calls them (``model(input_ids=...)``, no example input):
 Mamba2 split by heads (B/C copied with one group, split with the heads with four), Qwen3-Next's gated delta
-net split by key-head group (over a sub-axis where the model axis does not divide the groups), their figures from the audit of that call, their logits and one training step
-against the CPU model."""
+net split by key-head group (over a sub-axis where the model axis does not divide the groups), their figures
+from the audit of that call, their logits and one training step against the CPU model."""
 import copy
 
 import pytest
