@@ -134,3 +134,24 @@ def test_qwen3_next_key_heads_the_model_axis_does_not_divide_split_over_a_sub_ax
     text = plan.explain(ref, mesh)
     assert "splits into 4 heads/blocks" in text and "split over 4 of 8 devices (sub-axis)" in text
     assert forward.compute_balance <= choice.chosen.price.balance(8), forward
+
+
+def test_mamba2_groups_the_model_axis_does_not_divide_split_over_a_sub_axis():
+    """2 groups on data=2 x model=4: B and C come in 2 groups and each group's gated norm spans 4 heads (64
+    features), so the mixer is split over groups of 2 devices (one group each, the block computed again by the other 2), the vocabulary over
+    all 4; explain() says why. No all-gather, the communication minimum, the CPU model's logits; its balance
+    within the sub-axis's price (2.00 for the mixer), above issue 33's 1.30 (see the report)."""
+    ref = mamba2(2)
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    dev = ids.to(torch_xla.device())
+    forward = xla_tp.audit(model, input_ids=dev, backward=False)
+    assert forward.count("all-gather") == 0 and forward.comm_ratio <= 1.10, forward
+    assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
+    plan = xla_tp.plan_for(ref, mesh=mesh)
+    assert len(plan.choices) == 2 and all("2 heads/blocks" in c.why and c.chosen.ways == 2 for c in plan.choices)
+    assert "which 4 devices do not divide" in plan.explain(ref, mesh)
+    assert "split over 2 of 4 devices (sub-axis)" in plan.explain(ref, mesh)
+    priced = max(c.chosen.price.balance(4) for c in plan.choices)
+    assert forward.compute_balance <= priced, forward
