@@ -1,7 +1,7 @@
 """State-space mixers under "auto", called as a user calls them (``model(input_ids=...)``, no example input):
-Mamba2 split by heads (B/C copied with one group, split with the heads with four), Qwen3-Next's gated delta
-net split by key-head group, their figures from the audit of that call, their logits and one training step
-against the CPU model."""
+Mamba2 split by heads (B/C copied with one group or two, split with the heads with four), Qwen3-Next's gated delta
+net split by key-head group (over a sub-axis where the model axis does not divide the groups), their figures
+from the audit of that call, their logits and one training step against the CPU model."""
 import copy
 
 import pytest
@@ -11,6 +11,7 @@ import torch_xla
 import transformers
 
 import xla_tp
+from xla_tp.zoo import registry
 
 from ..helpers import max_err
 
@@ -47,8 +48,11 @@ def _trained_like_the_cpu_model(model, ref, ids, dev, lr: float = 0.1, tol: floa
     assert all(max_err(after[k], v) < tol for k, v in ref.state_dict().items())
 
 
-@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("groups", [1, 2, 4])
 def test_mamba2_splits_its_mixer_and_matches_the_cpu_model(groups):
+    """Mamba2's 8 heads split 4 ways whatever its groups: B and C split with the heads where 4 divides the groups,
+    else each group copied to the devices whose heads read it; with 2 groups, the gated norm's groups split too
+    (each group's statistic summed over its 2 devices)."""
     ref = mamba2(groups)
     model, ids, dev = _split_forward_at_target(ref)
     both = xla_tp.audit(model, input_ids=dev, backward=True)
@@ -57,9 +61,14 @@ def test_mamba2_splits_its_mixer_and_matches_the_cpu_model(groups):
     assert both.count("all-gather") == 0 and both.count("all-to-all") == 0 and both.comm_ratio <= 1.10, both
     assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
     _trained_like_the_cpu_model(model, ref, ids, dev)
-    if groups == 1:  # B and C's rows copied on every device stay equal
-        rows = model.backbone.layers[0].mixer.in_proj.weight.detach().cpu().view(4, 98, 64)[:, 64:96]
-        assert max_err(rows, rows[:1].expand_as(rows)) == 0
+    if groups == 2:
+        text = xla_tp.plan_for(ref, mesh=xla_tp.make_mesh(data=2, model=4)).explain(ref)
+        assert "each group copied to the devices whose heads read it" in text, text
+        assert "each group split over 2 devices, its statistic summed over them" in text, text
+    if groups < 4:  # B and C's rows copied on the devices of their group stay equal
+        rows = model.backbone.layers[0].mixer.in_proj.weight.detach().cpu().view(groups, 4 // groups, 98, 64)
+        rows = rows[..., 64:96, :]
+        assert max_err(rows, rows[:, :1].expand_as(rows)) == 0
 
 
 def test_bamba_splits_its_mamba_and_attention_layers():
@@ -108,3 +117,29 @@ def test_qwen3_next_splits_its_gated_delta_net_by_key_head_group():
     model, ids, dev = _split_forward_at_target(ref, balance=1.30)
     assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
     _trained_like_the_cpu_model(model, ref, ids, dev, lr=1.0, tol=1e-4)  # lr 1: the parameters move by the gradients
+
+
+def test_qwen3_next_key_heads_the_model_axis_does_not_divide_split_over_a_sub_axis():
+    """4 key-head groups on model=8: the gated delta net split over groups of 4 devices (one key-head group
+    each, the block computed again by the other 4), the experts, attention and vocabulary over all 8; explain()
+    says why. A block split over 4 of 8 devices costs twice its share of FLOPs (the price the planner gives it):
+    the forward's balance stays within that price, and within issue 33's 1.30 only when the block is a small
+    part of the model's FLOPs (this tiny model's delta rule is most of them, see the report)."""
+    torch.manual_seed(0)
+    ref = registry.build("qwen3_next")
+    assert ref.config.linear_num_key_heads == 4
+    mesh = xla_tp.make_mesh(model=8)
+    model = xla_tp.parallelize_xla(copy.deepcopy(ref), "auto", mesh=mesh)
+    ids = registry.example_input("qwen3_next")
+    dev = ids.to(torch_xla.device())
+    forward = xla_tp.audit(model, input_ids=dev, backward=False)
+    assert forward.count("all-gather") == 0 and forward.comm_ratio <= 1.10, forward
+    assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
+    plan = xla_tp.plan_for(ref, mesh=mesh)
+    (choice,) = plan.choices
+    assert "4 heads/blocks" in choice.why and "8 devices do not divide" in choice.why, choice.why
+    assert choice.chosen.ways == 4 and plan.roles["model.layers.0.linear_attn.in_proj_qkvz.weight"].axes[0] == "heads@4"
+    text = plan.explain(ref, mesh)
+    assert "splits into 4 heads/blocks" in text and "split over 4 of 8 devices (sub-axis)" in text
+    assert forward.compute_balance <= choice.chosen.price.balance(8), forward
+

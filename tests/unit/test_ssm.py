@@ -101,3 +101,17 @@ def test_qwen3_nexts_gated_delta_net_splits_by_key_head_group():
     for name in ("A_log", "dt_bias"):
         assert plan.roles[f"{mixer}.{name}"].kind == "column"
     assert [n for n in plan.replicated if ".linear_attn." in n] == [f"{mixer}.norm.weight"]  # per head dim
+
+
+def test_groups_the_axis_does_not_divide_copied_to_the_devices_reading_them():
+    """2 groups on 4 devices: the heads split 4 ways, each group of B and C copied to the 2 devices whose heads
+    read it (the convolution's kernel entries too), the gated norm's 2 groups split over 2 devices each."""
+    plan = plan_for(mamba2(2), mesh=SIZES)
+    mixer = "backbone.layers.0.mixer"
+    in_proj = plan.roles[f"{mixer}.in_proj.weight"]
+    assert in_proj.axes[0] == "heads" and in_proj.packing.whole == {2, 3} and in_proj.packing.groups == (1, 1, 2, 2, 1)
+    assert in_proj.packing.laid_size == 128 + 128 + 2 * 4 * 16 + 8  # B and C: 16 rows (a group) per device
+    conv = plan.roles[f"{mixer}.conv1d.weight"]
+    assert conv.packing.whole == {1, 2} and conv.packing.groups == (1, 2, 2)
+    assert not plan.choices and "each group copied to the devices whose heads read it" in in_proj.why
+    assert "as 2 groups, which 4 devices do not divide: each group split over 2 devices" in in_proj.why

@@ -28,6 +28,7 @@ from fractions import Fraction
 from typing import Any, Optional
 
 from . import concats
+from .groups import per_group, repeated
 from .contract import contraction
 from .graph import Copy, Graph, Node, Value
 from .ops import Step, step, trace_param
@@ -105,6 +106,13 @@ class Region:
     row_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # row node -> block it reads
     copied: dict[tuple[Fraction, Fraction], str] = field(default_factory=dict)  # blocks every device copies, why
     granule_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # granule -> its block
+    granule_blocks: set[tuple[tuple[Fraction, Fraction], int]] = field(default_factory=set)  # (block, granule) each
+    # blocks of a packed projection viewed as groups the model repeats for its heads (Mamba2's B and C): (block,
+    # groups); a planner may copy each group to the devices whose heads read it where the axis does not divide them
+    repeated: set[tuple[tuple[Fraction, Fraction], int]] = field(default_factory=set)
+    # features viewed as groups only a statistic per group reads (Mamba2's gated norm over groups of heads):
+    # groups -> the view; an axis they do not divide splits the groups too (one small all-reduce per statistic)
+    statistics: dict[int, Node] = field(default_factory=dict)
     # parameters applied one entry per split feature (``partners``): param index -> (param, its dim, block)
     partners: dict[int, tuple[Value, int, tuple[Fraction, Fraction]]] = field(default_factory=dict)
     reduction_windows: dict[int, tuple[Fraction, Fraction]] = field(default_factory=dict)  # reduction -> block
@@ -159,7 +167,8 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
     in both); None otherwise."""
     inside = lambda i: copy.node0 <= i < copy.node1  # noqa: E731
     nodes = [*region.rows, *region.attention, *region.ends, *region.reductions,
-             *(n.index for n in region.granules.values()), *([region.stop_node.index] if region.stop_node else [])]
+             *(n.index for n in (*region.granules.values(), *region.statistics.values())),
+             *([region.stop_node.index] if region.stop_node else [])]
     if region.copied or region.reaches_output or not all(inside(i) for i in nodes):
         return None
     outputs = {v.index for v in graph.outputs}
@@ -187,6 +196,7 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
         stop_node=node(region.stop_node) if region.stop_node else None,
         attention={i + copy.node_shift for i in region.attention},
         granules={size: node(n) for size, n in region.granules.items()}, windows=set(region.windows),
+        statistics={size: node(n) for size, n in region.statistics.items()},
         slicers={rename(m, copy.source, copy.target) for m in region.slicers},
         merges={rename(m, copy.source, copy.target) for m in region.merges}, ends=moved(region.ends),
         reductions={i + copy.node_shift: node(n) for i, n in region.reductions.items()},
@@ -200,8 +210,8 @@ def _moved(graph: Graph, region: Region, copy: Copy, proj: Projection) -> Option
 _ASSIGNED = ("values", "rows", "row_windows", "reductions", "reduction_windows", "concats", "row_blocks", "laid",
              "laid_partners")  # a dict entry set again takes
 # the new item
-_FIRST = ("ends", "granules", "granule_windows", "partners")  # a dict entry set again keeps the first item
-_MEMBERS = ("windows", "attention", "slicers", "merges")  # a set's members
+_FIRST = ("ends", "granules", "granule_windows", "partners", "statistics")  # a dict entry set again keeps the first item
+_MEMBERS = ("windows", "attention", "slicers", "merges", "granule_blocks", "repeated")  # a set's members
 
 
 class _Log:
@@ -268,6 +278,7 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
     whole = (proj.features.base, proj.features.span)
     log = _Log()
     marks: list[tuple[tuple, dict[str, int]]] = []  # values reached alone: (their key in rests, where the log was)
+    statistic: set[int] = set()  # values read per group for a statistic (``groups.per_group``)
 
     def change(name: str, key: Any, item: Any = None) -> None:
         log.change(region, name, key, item)
@@ -349,9 +360,17 @@ def explore(graph: Graph, proj: Projection, rests: Optional[Rests] = None) -> Re
                         change("concats", out.index, concat)
                     if (f.base, f.span) != (feats.base, feats.span):
                         change("slicers", node.module)
-                    if f.hard and not _split_per_block(out, f):
+                    hard = f.hard and out.index not in statistic and not _split_per_block(out, f)
+                    span = per_group(out) if hard else None
+                    if span:
+                        change("statistics", f.lead.size, node)
+                        statistic |= span
+                    elif hard:
                         change("granules", f.lead.size, node)
                         change("granule_windows", f.lead.size, (f.base, f.span))
+                        change("granule_blocks", ((f.base, f.span), f.lead.size))
+                        if (f.base, f.span) != whole and repeated(out, f.lead.dim):
+                            change("repeated", ((f.base, f.span), f.lead.size))
                     if any(x.outer > 1 for x in f.factors):
                         change("merges", node.module)
                     heapq.heappush(work, (out.index, out))
@@ -426,10 +445,10 @@ def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Nod
     block; a block that is a smaller part of the one it was sliced with (Mamba2's B of ``[x | B | C]``) is
     copied alone."""
     whole = (region.projection.features.base, region.projection.features.span)
-    outer = min((w for w in region.windows if w not in (whole, window) and _within(window, w)), key=lambda w: w[1],
+    outer = min((w for w in region.windows if w not in (whole, window) and within(window, w)), key=lambda w: w[1],
                 default=window)
     window = outer if outer[1] <= 2 * window[1] else window
-    inside = lambda w: _within(w, window)  # noqa: E731
+    inside = lambda w: within(w, window)  # noqa: E731
     if any(inside(w) for w in region.row_windows.values()):
         return False
     region.copied.setdefault(window, f"{why} ({describe(node)})")
@@ -438,6 +457,7 @@ def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Nod
         del region.values[index]
     for size in [n for n, w in region.granule_windows.items() if inside(w)]:
         del region.granules[size], region.granule_windows[size]
+    region.granule_blocks = {(w, n) for w, n in region.granule_blocks if not inside(w)}
     for index in [i for i, (_, _, w) in region.partners.items() if inside(w)]:
         del region.partners[index]
     for index in [i for i, w in region.reduction_windows.items() if inside(w)]:
@@ -445,7 +465,7 @@ def _copy(region: Region, window: tuple[Fraction, Fraction], why: str, node: Nod
     return True
 
 
-def _within(w: tuple[Fraction, Fraction], outer: tuple[Fraction, Fraction]) -> bool:
+def within(w: tuple[Fraction, Fraction], outer: tuple[Fraction, Fraction]) -> bool:
     return outer[0] <= w[0] and w[0] + w[1] <= outer[0] + outer[1]
 
 

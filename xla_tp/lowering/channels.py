@@ -106,7 +106,7 @@ def _convolved(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packi
     weight, bias, size = bound["weight"], bound.get("bias"), t.shape[1]
     if dim != 1 or bound.get("groups", 1) != size or weight.shape[0] != size or weight.shape[1] != 1:
         return NotImplemented
-    kernel = packed.Packing(0, packing.blocks, packing.tp, packing.padded, packing.whole)
+    kernel = packing.for_bias()
     bound["weight"], bound["bias"] = copies.summed(weight, kernel), copies.summed(bias, kernel)
     out = shifted(**bound) if func is F.conv1d else NotImplemented
     return tagged(func(**bound) if out is NotImplemented else out, packing, 1)

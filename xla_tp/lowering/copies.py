@@ -32,14 +32,25 @@ _PART = Tag("copies")  # on a copied block with no head dim: its copies ``[..., 
 _MARK = 97  # a size no other dim has, to find where an index moves the head dim
 
 
-def copied_block(part: torch.Tensor) -> torch.Tensor:
+def merged(part: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """The block the copies ``part`` (``[..., tp, n]``, device ``d`` holding group ``d // (tp // groups)``) are of:
+    ``[..., groups * n]``, each group the mean of its copies (equal copies: the group itself).
+
+    >>> merged(torch.tensor([[1., 2.], [1., 2.], [3., 4.], [3., 4.]]), 2).tolist()
+    [1.0, 2.0, 3.0, 4.0]
+    """
+    return part.unflatten(-2, (groups, part.shape[-2] // groups)).mean(-2).flatten(-2)
+
+
+def copied_block(part: torch.Tensor, groups: int = 1) -> torch.Tensor:
     """The block the model asked for (``[B, 1, S, D]``), from its copies ``part`` (``[B, 1, S, tp, D]``); a block
-    with no head dim yet (Mamba2's ``B`` of one group, ``[B, S, N]``) keeps its copies for the view that adds it."""
-    block = part.mean(-2)
-    if part.dim() == 5 and part.shape[1] == 1:
+    with no head dim yet (Mamba2's ``B`` of one group, ``[B, S, N]``, or of ``groups``: ``[B, S, groups * N]``) keeps
+    its copies for the view that adds it."""
+    block = merged(part, groups)
+    if part.dim() == 5 and part.shape[1] == 1 and groups == 1:
         _tag(block, part.squeeze(1).movedim(-2, 1), 1)
     else:
-        _PART.put(block, part)
+        _PART.put(block, (part, groups))
     return block
 
 
@@ -92,14 +103,14 @@ def expand(x: torch.Tensor, *sizes: Any) -> Any:
 
 
 def reshape(x: torch.Tensor, *shape: Any) -> Any:
-    """The head dim merged with its repeats: the query heads' keys, each device's from its own copy; a unit
-    group dim put in front of a copied block's last dim (``B.view(b, s, 1, n)``): the copies as groups."""
+    """The head dim merged with its repeats: the query heads' keys, each device's from its own copy; a copied
+    block's last dim viewed as its groups (``B.view(b, s, groups, n)``): the copies in place of the groups."""
     kv = _kv(x)
     shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)) else shape
-    part = _PART.of(x)
-    if kv is None and part is not None:
-        out = x.reshape(shape)
-        if tuple(out.shape) == (*x.shape[:-1], 1, x.shape[-1]):
+    copied = _PART.of(x)
+    if kv is None and copied is not None:
+        (part, groups), out = copied, x.reshape(shape)
+        if tuple(out.shape) == (*x.shape[:-1], groups, x.shape[-1] // groups):
             return _tag(out, part, x.dim() - 1)
         return out
     if kv is None:
@@ -135,7 +146,7 @@ def _followed(func: Callable, args: tuple, kwargs: dict) -> Any:
     if not isinstance(out, torch.Tensor) or not isinstance(heads, torch.Tensor) or heads.dim() != out.dim():
         return out
     dims = [d for d in range(out.dim()) if out.shape[d] != heads.shape[d]]
-    if len(dims) != 1 or out.shape[dims[0]] != 1 or heads.shape[dims[0]] != tp:
+    if len(dims) != 1 or tp % out.shape[dims[0]] or heads.shape[dims[0]] != tp:
         return out
     return _tag(out, heads, dims[0])
 
@@ -151,14 +162,17 @@ def follow(func: Callable) -> Callable:
 
 def repeat_interleave(x: torch.Tensor, repeats: Any = None, dim: Any = None, **kwargs: Any) -> Any:
     """Each group repeated for its heads (Mamba2's ``B.repeat_interleave(heads // groups, dim=2)``) from the
-    copies of one group: each device's heads from its own copy, nothing moved."""
+    copies of the groups (device ``d`` holding the group its heads read): each device's heads from its own copy,
+    nothing moved."""
     kv = _kv(x)
     repeats, dim = kwargs.get("repeats", repeats), kwargs.get("dim", dim)
-    if kv is None or not isinstance(repeats, int) or dim is None or dim % x.dim() != kv[1] or x.shape[kv[1]] != 1:
+    if kv is None or not isinstance(repeats, int) or dim is None or dim % x.dim() != kv[1]:
         return NotImplemented
     heads, at = kv
-    tp = heads.shape[at]
-    return heads.repeat_interleave(repeats // tp, dim=at) if repeats % tp == 0 else NotImplemented
+    tp, groups = heads.shape[at], x.shape[at]
+    if tp % groups or repeats * groups % tp:
+        return NotImplemented
+    return heads.repeat_interleave(repeats * groups // tp, dim=at)
 
 
 class _SummedCopies(torch.autograd.Function):
@@ -189,7 +203,10 @@ def sum_copies(grad: torch.Tensor, packing: Any) -> torch.Tensor:
     for i, size in enumerate(packing.sizes):
         share = size // tp
         part = g[..., offset:offset + share]
-        parts.append(part.sum(-2, keepdim=True).expand_as(part) if i in packing.whole else part)
+        if i in packing.whole:  # each group's copies (device d's: group d // (tp // groups)) summed
+            part = part.unflatten(-2, (packing.groups_of(i), -1))
+            part = part.sum(-2, keepdim=True).expand_as(part).flatten(-3, -2)
+        parts.append(part)
         offset += share
     return torch.cat(parts, -1).flatten(-2).movedim(-1, dim)
 

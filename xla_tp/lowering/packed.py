@@ -34,7 +34,7 @@ from ..plan.packing import Packing
 from ..state import ensure_param_state, param_state
 from .tags import Tag
 from .blocks import per_device
-from .copies import copied_block, copied_head
+from .copies import copied_block, copied_head, merged
 
 _TAG = Tag("packed_output")  # on a re-laid projection's output during a forward: its Packing
 
@@ -194,8 +194,8 @@ def unpermute(y: torch.Tensor, packing: Packing | Heads) -> torch.Tensor:
     xla_tp cannot see)."""
     if isinstance(packing, Heads):
         return unpermute(y.flatten(-2), packing.packing).unflatten(-1, (-1, packing.head))
-    return torch.cat([block(y, packing, i).mean(-2) if i in packing.whole else block(y, packing, i)[..., :n]
-                      for i, (_, n) in enumerate(packing.blocks)], dim=-1)
+    return torch.cat([merged(block(y, packing, i), packing.groups_of(i)) if i in packing.whole
+                      else block(y, packing, i)[..., :n] for i, (_, n) in enumerate(packing.blocks)], dim=-1)
 
 
 def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> Optional[list[torch.Tensor]]:
@@ -211,8 +211,9 @@ def pieces(y: torch.Tensor, packing: Packing, ranges: list[tuple[int, int]]) -> 
         if len(indices) > 1:  # several blocks: still re-laid, as one output of their own
             out.append(run(y, packing, indices))
         else:
-            out.append(copied_block(block(y, packing, indices[0])) if indices[0] in packing.whole
-                       else block(y, packing, indices[0]))
+            i = indices[0]
+            out.append(copied_block(block(y, packing, i), packing.groups_of(i)) if i in packing.whole
+                       else block(y, packing, i))
     return out
 
 
@@ -227,8 +228,9 @@ def run(y: torch.Tensor, packing: Packing, indices: range) -> torch.Tensor:
     blocks = tuple((start - first, size) for start, size in packing.blocks[indices[0]:indices[-1] + 1])
     whole = frozenset(i - indices[0] for i in indices if i in packing.whole)
     padded = tuple(packing.padded[i] for i in indices) if packing.padded else ()
+    groups = tuple(packing.groups[i] for i in indices) if packing.groups else ()
     part = per_device(y, tp)[..., offset:offset + n].flatten(-2)
-    return tag(part, Packing(packing.dim, blocks, tp, padded, whole))
+    return tag(part, Packing(packing.dim, blocks, tp, padded, whole, groups))
 
 
 def packed_blocks(t: torch.Tensor, n: int) -> list[torch.Tensor]:

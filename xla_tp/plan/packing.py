@@ -10,7 +10,7 @@ lowering applies the permutation (``lowering.packed``). Example:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -23,6 +23,8 @@ class Packing:
     ``tp`` divides it; empty when nothing is padded. A padded parameter grows along ``dim``.
     ``whole``: blocks every device holds a copy of, not a part (the one key/value head of multi-query
     attention packed with the query heads); the parameter grows by the copies.
+    ``groups``: per block, the groups a copied block holds (1 when empty): device ``d`` holds a copy of group
+    ``d // (tp // groups)``, the one its heads read (Mamba2's B and C of 2 groups over 4 devices).
     """
 
     dim: int
@@ -30,6 +32,11 @@ class Packing:
     tp: int
     padded: tuple[int, ...] = ()
     whole: frozenset[int] = frozenset()
+    groups: tuple[int, ...] = ()
+
+    def groups_of(self, index: int) -> int:
+        """The groups block ``index`` holds, each copied to the devices reading it (1: every device copies it)."""
+        return self.groups[index] if self.groups else 1
 
     @property
     def size(self) -> int:
@@ -40,7 +47,7 @@ class Packing:
     def sizes(self) -> tuple[int, ...]:
         """Each block's size as laid out over all devices (padded, or copied: ``tp`` copies)."""
         sizes = self.padded or tuple(n for _, n in self.blocks)
-        return tuple(n * self.tp if i in self.whole else n for i, n in enumerate(sizes))
+        return tuple(n * self.tp // self.groups_of(i) if i in self.whole else n for i, n in enumerate(sizes))
 
     @property
     def laid_size(self) -> int:
@@ -56,12 +63,14 @@ class Packing:
         [0, 1, 2, -1]
         >>> Packing(0, ((0, 4), (4, 1)), 2, whole=frozenset({1})).order().tolist()   # q split, k copied
         [0, 1, 4, 2, 3, 4]
+        >>> Packing(0, ((0, 4), (4, 2)), 4, whole=frozenset({1}), groups=(1, 2)).order().tolist()   # 2 groups
+        [0, 4, 1, 4, 2, 5, 3, 5]
         """
         idx = []
         for d in range(self.tp):
             for i, ((start, n), m) in enumerate(zip(self.blocks, self.sizes)):
                 share = m // self.tp
-                first = 0 if i in self.whole else d * share
+                first = d // (self.tp // self.groups_of(i)) * share if i in self.whole else d * share
                 idx += [start + first + j if first + j < n else -1 for j in range(share)]
         return torch.tensor(idx, dtype=torch.long)
 
@@ -80,4 +89,4 @@ class Packing:
         return self.dim == out_dim and not (len(self.blocks) == 1 and self.padded)
 
     def for_bias(self) -> "Packing":
-        return Packing(0, self.blocks, self.tp, self.padded, self.whole)
+        return replace(self, dim=0)

@@ -39,7 +39,7 @@ from typing import Mapping, Optional, Sequence
 from ..dataflow.concats import offsets
 from ..dataflow.graph import Graph, Node, Value
 from ..dataflow.patches import patches
-from ..dataflow.regions import Projection, Region, describe, explored
+from ..dataflow.regions import Projection, Region, describe, explored, within
 from ..plan.packing import Packing
 from ..plan.subaxis import sub_axis
 from .alternatives import Block, Choice, Pick, blocks_of, choose
@@ -258,10 +258,10 @@ def _apply_group(graph: Graph, group: list[Region], tp: int, roles: Roles, taken
     logical = logical if ways == tp else sub_axis(logical, ways)
     for r in split_regions:
         p = r.projection
-        what = f"{_granule_text(r)}" if r.granules else f"{p.size} features"
+        what = f"{_granule_text(r, ways)}" if r.granules else f"{p.size} features"
         packing = _padding(p.out_dims[0], blocks_of(r), ways, pad) if pad[0] else _packing(r, ways) if relaid else None
         _set_column(roles, p, "column", logical, f"column-parallel: {what} split {ways} ways, read by "
-                    f"{_row_names(rows)}{chosen}{_statistics(r)}", packing=packing)
+                    f"{_row_names(rows)}{chosen}{_statistics(r, ways)}", packing=packing)
         taken[p.node.index] = "column"
         covered |= r.attention
         if r.windows and relaid:
@@ -336,12 +336,17 @@ def _concatenations(members: list[Region], rows: dict[int, tuple[Node, Value, in
     return out
 
 
-def _statistics(r: Region) -> str:
-    """What the statistics over ``r``'s split features cost (a gated norm's variance over all its heads)."""
+def _statistics(r: Region, tp: int) -> str:
+    """What the statistics over ``r``'s split features cost (a gated norm's variance over all its heads, or over
+    groups of heads that ``tp`` devices split further)."""
+    groups = sorted(s for s in r.statistics if s % tp)
+    shared = f"; {describe(r.statistics[groups[0]])} views them as {groups[0]} groups, which {tp} devices do not " \
+             f"divide: each group split over {tp // groups[0]} devices, its statistic summed over them (one small " \
+             f"all-reduce per token)" if groups else ""
     if not r.reductions:
-        return ""
+        return shared
     nodes = ", ".join(describe(n) for n in list(r.reductions.values())[:2])
-    return f"; {nodes} reduces over its split features: one small all-reduce of the statistic per token"
+    return f"; {nodes} reduces over its split features: one small all-reduce of the statistic per token{shared}"
 
 
 def _counts_copies(r: Region) -> Optional[Node]:
@@ -370,7 +375,8 @@ def _set_partners(roles: Roles, r: Region, packing: Optional[Packing], ways: int
         laid = None
         if len(inside) > 1:
             laid = Packing(dim, tuple((int(start - base), n) for _, (start, n) in inside), ways,
-                           whole=frozenset(k for k, (i, _) in enumerate(inside) if i in packing.whole))
+                           whole=frozenset(k for k, (i, _) in enumerate(inside) if i in packing.whole),
+                           groups=tuple(packing.groups_of(i) for i, _ in inside) if packing.groups else ())
         copies = " (its copied blocks' entries copied too)" if laid is not None and laid.whole else ""
         roles.set(param, ParamRole("column", tuple(axes), f"split with the features of {name} it is applied to, "
                                    f"one entry per feature or head{copies}", "", laid))
@@ -420,28 +426,47 @@ def _row_bias(node: Node, weight: Value) -> Optional[Value]:
     return next((v for v in node.tensors if v.kind == "param" and v is not weight and len(v.shape) == 1), None)
 
 
-def _granule_text(r: Region) -> str:
+def _granule_text(r: Region, tp: int) -> str:
     unit = "heads" if r.attention else "blocks"
     blocks = _blocks(r)
     copied = f"; blocks {[int(n) for _, n in sorted(r.copied)]} copied to every device: " \
              f"{next(iter(r.copied.values()))}" if r.copied else ""
+    grouped = _grouped(r, tp)
+    if grouped:
+        copied += f"; blocks {[int(n) for _, n in sorted(grouped)]} hold {max(grouped.values())} groups the model " \
+                  f"repeats for its heads, which {tp} devices do not divide: each group copied to the devices whose " \
+                  f"heads read it"
     packed = f" (packed blocks {[n for _, n in blocks]}, re-laid device-major{copied})" if blocks else ""
-    return f"{min(r.granules)} {unit}{packed}"
+    return f"{min((s for w, s in r.granule_blocks if w not in grouped), default=min(r.granules))} {unit}{packed}"
 
 
 def _granule_problem(r: Region, tp: int) -> str:
-    bad = sorted(s for s in r.granules if s % tp)
+    grouped = _grouped(r, tp)
+    bad = sorted({s for w, s in r.granule_blocks if s % tp and w not in grouped} |
+                 {s for s in r.statistics if s % tp and tp % s})
     if not bad:
         return ""
-    node = r.granules[bad[0]]
+    node = r.granules.get(bad[0]) or r.statistics[bad[0]]
     return f"its output splits into {bad[0]} heads/blocks ({describe(node)}), which {tp} devices do not divide"
+
+
+def _grouped(r: Region, tp: int) -> dict[tuple[Fraction, Fraction], int]:
+    """Blocks of a packed projection viewed as fewer groups than ``tp`` devices, which the model repeats for its
+    heads (``Region.repeated``: Mamba2's B and C of 2 groups on 4 devices), when ``tp`` is a multiple of them:
+    block -> its groups, each group copied to the devices whose heads read it."""
+    blocks = set(_blocks(r) or ())
+    return {w: g for w, g in r.repeated if g % tp and tp % g == 0 and (int(w[0]), int(w[1])) in blocks
+            and not any(within(v, w) for v in r.row_windows.values())}
 
 
 def _packing(r: Region, tp: int) -> Optional[Packing]:
     blocks = _blocks(r)
     if blocks is None:
         return None
-    return Packing(r.projection.out_dims[0], blocks, tp, whole=_copied(r, blocks))
+    grouped = {(int(w[0]), int(w[1])): g for w, g in _grouped(r, tp).items()}
+    groups = tuple(grouped.get(b, 1) for b in blocks) if grouped else ()
+    return Packing(r.projection.out_dims[0], blocks, tp, whole=_copied(r, blocks) | {
+        i for i, b in enumerate(blocks) if b in grouped}, groups=groups)
 
 
 def _copied(r: Region, blocks: tuple[tuple[int, int], ...]) -> frozenset[int]:
