@@ -28,7 +28,7 @@ from fractions import Fraction
 from typing import Any, Optional
 
 from . import concats
-from .groups import per_group, repeated
+from .view_groups import per_group, repeated
 from .contract import contraction
 from .graph import Copy, Graph, Node, Value
 from .ops import Step, step, trace_param
