@@ -1,4 +1,5 @@
 """xla_tp.audit on programs whose optimum is known: exact counts and bytes, not timings."""
+import pytest
 import torch
 import torch_xla
 import transformers
@@ -41,6 +42,34 @@ def test_backward_adds_data_axis_gradient_reductions():
     assert report.comm_ratio == 1.0 and report.compute_balance == 1.0
     assert set(report.collectives["all-reduce"]["axes"]) == {"model", "data"}
     assert all(p.grad is None for p in model.parameters())
+
+
+class FeatureLayer(torch.nn.Module):
+    """Two MLP blocks, returning the hidden state before the last (as Llava reads its vision tower's, Gemma 3 its
+    tower's without the pooling head): the last block runs and nothing reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([MLP(16, 32, bias=False), MLP(16, 32, bias=False)])
+
+    def forward(self, x):
+        states = [x]
+        for block in self.blocks:
+            states.append(block(states[-1]))
+        return states[-2] * 2
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_block_whose_output_nothing_reads_costs_nothing_in_the_minimum(backward):
+    """The program drops the last block's work (its all-reduce, and with the backward its weights' gradients are
+    zeros, reduced over no axis): the minimum counts the first block's only, so the program is at it, not below."""
+    mesh = xla_tp.make_mesh(data=2, model=4)
+    plan = {f"blocks.{i}.{name}": style for i in (0, 1) for name, style in PAIR.items()}
+    model = xla_tp.parallelize_xla(FeatureLayer(), plan, mesh=mesh)
+    report = audit(model, torch.randn(8, 16).to(torch_xla.device()), mesh=mesh, backward=backward)
+    assert report.comm_ratio == 1.0, (report.collectives, report.expected)
+    assert report.expected["all-reduce"]["count"] == (1 + 2 if backward else 1)  # + the first block's 2 weight grads
+    assert any("blocks.1.fc1" in note for note in report.notes), report.notes
 
 
 def test_audit_leaves_rng_and_buffers_alone():

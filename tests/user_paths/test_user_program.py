@@ -125,7 +125,9 @@ def test_a_vision_language_models_text_and_image_calls(mesh):
     for call in ({"input_ids": inputs["input_ids"][:, 18:]}, inputs):  # text, then images
         text, report = _checked_call(model, cpu, call, mesh)  # the language model's key/value heads split too
         assert set(collectives_of(text)) == {"all-reduce"}, list(call)
-        assert report.comm_ratio <= 1.10, (list(call), report.comm_ratio)
+        # not below the minimum: the tower's last layer, which the model does not read (vision_feature_layer=-2),
+        # is not in the program and the minimum does not count it
+        assert 0.99 <= report.comm_ratio <= 1.10, (list(call), report.comm_ratio)
     tower = model.model.vision_tower(pixel_values=inputs["pixel_values"].to(DEVICE), output_hidden_states=True)
     assert len(tower.hidden_states) == 1 + VISION_LAYERS
 
@@ -175,7 +177,8 @@ def test_gemma3_vision_language_models_image_call(mesh):
     report = xla_tp.audit(model, mesh=mesh, **on_device(inputs))
     assert_audit_reads_the_program(report, text)
     assert report.param_memory_ratio <= 1.15 and report.compute_balance <= 1.10, report
-    assert "all-gather" not in collectives_of(text) and report.comm_ratio <= 1.10, report.collectives
+    # SigLIP's pooling head, which Gemma 3 does not read, is not in the program and the minimum does not count it
+    assert "all-gather" not in collectives_of(text) and 0.99 <= report.comm_ratio <= 1.10, report.collectives
 
 
 def test_an_input_sharded_by_the_user_keeps_its_split(mesh):

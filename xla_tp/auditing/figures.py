@@ -11,7 +11,7 @@ plan's own layouts imply for the calls a trace recorded (``minimum``). Both back
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Optional, Sequence
+from typing import Callable, Collection, Optional, Sequence
 
 import numpy as np
 import torch
@@ -53,12 +53,13 @@ def _sharded_numel(name: str, p: torch.Tensor) -> int:
 
 def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Layout, found: list,
                 grad_numel: Callable[[str, torch.Tensor], int] = _sharded_numel,
-                gathers: Sequence[ContextGather] = ()) -> None:
+                gathers: Sequence[ContextGather] = (), zero_grads: Collection[str] = ()) -> None:
     """Fill ``report.expected`` and ``comm_minimum_bytes`` from the recorded ``calls`` (and the keys and
     values attention ``gathers`` over a context axis).
 
     ``grad_numel(name, param)``: elements of the largest shard of that parameter's gradient (by
-    default read from the XLA tensor's sharding).
+    default read from the XLA tensor's sharding). ``zero_grads``: the parameters whose gradient is zero
+    because nothing the outputs read uses them (known on every device: nothing to reduce).
     """
     expected = minimum_collectives(calls, module, layout, report.mesh, report.backward, gathers)
     expected += _expert_dispatch(calls, module, report.mesh, report.backward)
@@ -68,7 +69,7 @@ def set_minimum(report: AuditReport, calls: list, module: nn.Module, layout: Lay
 
         def numel(name: str, p: torch.Tensor) -> int:
             return grad_numel(name, p) // (tp if name in split else 1)
-        expected += _data_grad_allreduces(module, layout, report.mesh, numel)
+        expected += _data_grad_allreduces(module, layout, report.mesh, numel, set(zero_grads))
     if "reduce-scatter" not in {c.kind for c in found} and any(e.kind == "reduce-scatter" for e in expected):
         tp = report.mesh.get(layout.tp_axis, 1)
         expected = [Expected("all-reduce", e.elements * (e.ways or tp), e.dtype, e.where)
@@ -108,17 +109,18 @@ def _expert_dispatch(calls: list, module: nn.Module, sizes: dict[str, int], back
 
 
 def _data_grad_allreduces(module: nn.Module, layout: Layout, sizes: dict[str, int],
-                          grad_numel: Callable[[str, torch.Tensor], int]) -> list[Expected]:
+                          grad_numel: Callable[[str, torch.Tensor], int], zero: set[str]) -> list[Expected]:
     """One all-reduce per parameter gradient (its local size; one for a stacked group's members) over the
     batch axes, where one splits the batch (all but the expert axis for a weight whose experts it splits:
-    each device's own experts), and over a context axis (each device's part of the sequence)."""
+    each device's own experts), and over a context axis (each device's part of the sequence); none for a
+    gradient in ``zero``."""
     reduced: dict = {}  # one entry per gradient tensor: [elements, dtype, where]
     stacked = stacked_gradients(module)
     for name, p in module.named_parameters():
         split = layout.params.get(name, ())
         axes = [a for a in layout.batch_axes if sizes.get(a, 1) > 1 and not (a == EXPERT and uses_axis(split, a))]
         axes += sequence_axes(sizes)
-        if p.requires_grad and axes:  # a column group computed stacked: its members' gradients are one tensor
+        if p.requires_grad and axes and name not in zero:  # a column group computed stacked: one gradient
             entry = reduced.setdefault(stacked.get(id(p), name), [0, p.dtype, name + " grad"])
             entry[0] += grad_numel(name, p)
     return [Expected("all-reduce", elements, dtype, where) for elements, dtype, where in reduced.values()]

@@ -7,8 +7,8 @@ or Embedding sharded on its contraction dimension emits Partial, one sharded on 
 features emits Shard(-1). With ``backward=True`` each forward step gets its conjugate
 (all-gather <-> reduce-scatter, all-reduce -> none), each distinct input of a colwise layer that
 needs a gradient gets one all-reduce (Megatron's one per group: q, k and v reading one input share it;
-a module whose split output comes from a bias alone contracts nothing; an MoE experts layer's input
-likewise), and each parameter gradient one all-reduce over the data axis.
+a module whose split output comes from a bias alone, a norm's scale or a depthwise convolution contracts
+nothing; an MoE experts layer's input likewise), and each parameter gradient one all-reduce over the data axis.
 
 Example::
 
@@ -204,14 +204,22 @@ def minimum_collectives(calls: list[_Call], root: nn.Module, layout: Layout,
             chain = ml.outputs[i] if i < len(ml.outputs) else ()
             count.chain(out, chain or ((Replicate(),) if isinstance(natural, Partial) else ()),
                         natural if i == 0 else None, f"{call.fqn} output {i}")
-        if backward and (ml.input_grad or isinstance(natural, Shard) and isinstance(getattr(mod, "weight", None),
-                                                                                   torch.Tensor)):
+        if backward and (ml.input_grad or isinstance(natural, Shard) and _contracts_its_input(mod)):
             x = call.args[0] if call.args else None
             seen = grad_reduced | count.gathered
             if isinstance(x, torch.Tensor) and x.requires_grad and id(x) not in seen:
                 grad_reduced.add(id(x))
                 count.add("all-reduce", x, f"{call.fqn} input grad")
     return count.found
+
+
+def _contracts_its_input(module: nn.Module) -> bool:
+    """Whether a column-parallel ``module`` makes its split outputs from its whole input's features (a Linear, a
+    convolution of one group): each device's input gradient is then a partial sum. A scale per feature (a
+    norm's 1-D weight) or a convolution of groups (depthwise) reads its input split like its output, so its
+    input's gradient is each device's own. ``_contracts_its_input(nn.Linear(4, 8))`` is True."""
+    weight = getattr(module, "weight", None)
+    return isinstance(weight, torch.Tensor) and weight.dim() >= 2 and getattr(module, "groups", 1) == 1
 
 
 def adapters(calls: list[_Call], layout: Layout) -> dict[str, tuple[_Call, str]]:

@@ -41,6 +41,7 @@ from ..state import constraint_handles, layout_of
 from .capture import capture_partitioned_hlo, capture_program, route
 from .hlo import dot_flops
 from .figures import report_from_hlo, set_minimum
+from .live import unread
 from .minimum import ActivationRecorder
 from .params import param_bytes, sharding_string
 from .report import AuditReport
@@ -112,7 +113,7 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
     seed = xm.get_rng_state()
     kept = _Annotations([*(module.parameters() if module is not None else ()), *tree_leaves((args, kwargs))])
     try:
-        program, calls, gathers = _trace(target, args, kwargs, backward, layout)
+        program, calls, gathers, unused, unreached = _trace(target, args, kwargs, backward, layout)
         text = program.text
         unsharded = unsharded_flops
         if unsharded is None and module is not None:
@@ -129,7 +130,10 @@ def audit_here(target: Target, args: tuple, xmesh: Any, backward: bool,
     else:
         report.notes.append("a function, not a module: no parameter bytes or compute balance")
     if layout is not None and module is not None:
-        set_minimum(report, calls, module, layout, found, gathers=gathers)
+        set_minimum(report, calls, module, layout, found, gathers=gathers, zero_grads=unreached)
+        if unused:
+            report.notes.append(f"{len(unused)} calls of planned modules compute what the call's outputs never read "
+                                f"(e.g. {unused[0]}): the program drops that work, the minimum counts none of it")
     else:
         report.notes.append("no plan layout: the communication minimum is unknown")
     if route() == "jaxlib":
@@ -158,18 +162,27 @@ class _Annotations:
 
 
 def _trace(target: Target, args: tuple, kwargs: dict, backward: bool, layout: Optional[Layout]):
-    """Trace forward (and backward) lazily; return the partitioned program, the recorded calls and context gathers."""
+    """Trace forward (and backward) lazily; return the partitioned program, the recorded calls the program reads
+    (``live.unread``: a call none of whose tensor outputs it reads is left out), the context gathers, the
+    FQNs of the calls left out, and the parameters whose gradient the outputs do not reach."""
     module = target if isinstance(target, nn.Module) else None
     if module is None or layout is None:
-        return capture_program(_outputs(target, args, kwargs, backward, None)), [], []
+        return capture_program(_outputs(target, args, kwargs, backward, None)[0]), [], [], [], set()
     with ActivationRecorder(module, layout) as recorder:
-        tensors = _outputs(module, args, kwargs, backward, dict(module.named_parameters()))
-    return capture_program(tensors), recorder.calls, recorder.gathers
+        tensors, unreached = _outputs(module, args, kwargs, backward, dict(module.named_parameters()))
+    produced = [(c, t) for c in recorder.calls for t in c.outputs if isinstance(t, torch.Tensor)]
+    missed = unread(tensors, [t for _, t in produced])
+    read = {id(c) for k, (c, _) in enumerate(produced) if k not in missed}
+    unused = {id(c) for c, _ in produced} - read
+    kept = [c for c in recorder.calls if id(c) not in unused]
+    return (capture_program(tensors), kept, recorder.gathers, [c.fqn for c in recorder.calls if id(c) in unused],
+            unreached)
 
 
 def _outputs(target: Target, args: tuple, kwargs: dict, backward: bool,
-             params: Optional[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-    """Forward outputs, plus with ``backward`` the gradients of their sum w.r.t. ``params``."""
+             params: Optional[dict[str, torch.Tensor]]) -> tuple[list[torch.Tensor], set[str]]:
+    """Forward outputs, plus with ``backward`` the gradients of their sum w.r.t. ``params`` (zeros for a parameter
+    the sum does not reach); and the names of those parameters."""
     if isinstance(target, nn.Module):
         buffers = {n: b.clone() for n, b in target.named_buffers()}
         out = functional_call(target, {**(params or {}), **buffers}, args, kwargs)
@@ -177,13 +190,15 @@ def _outputs(target: Target, args: tuple, kwargs: dict, backward: bool,
         out = target(*args, **kwargs)
     leaves = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
     if not backward:
-        return leaves
-    wrt = [p for p in (params or {}).values() if p.requires_grad]
-    wrt += [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.requires_grad]
+        return leaves, set()
+    named = [(n, p) for n, p in (params or {}).items() if p.requires_grad]
+    named += [("", a) for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor) and a.requires_grad]
     loss = sum(t.float().sum() for t in leaves if t.requires_grad)
-    if not wrt or not isinstance(loss, torch.Tensor):
+    if not named or not isinstance(loss, torch.Tensor):
         raise ValueError("audit(backward=True): nothing requires a gradient")
-    return leaves + list(torch.autograd.grad(loss, wrt, allow_unused=True, materialize_grads=True))
+    grads = torch.autograd.grad(loss, [w for _, w in named], allow_unused=True)
+    unreached = {n for (n, _), g in zip(named, grads) if g is None and n}
+    return leaves + [torch.zeros_like(w) if g is None else g for (_, w), g in zip(named, grads)], unreached
 
 
 def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool, kwargs: Optional[dict] = None) -> int:
@@ -200,7 +215,7 @@ def unsharded_dot_flops(module: nn.Module, args: tuple, backward: bool, kwargs: 
     plain = tree_map(lambda a: a.detach().cpu().to(device).requires_grad_(a.requires_grad)
                      if isinstance(a, torch.Tensor) else a, (args, kwargs or {}))
     with _suspended_hooks(module), scope.suspended():
-        return dot_flops(capture_partitioned_hlo(_outputs(module, *plain, backward, params)))
+        return dot_flops(capture_partitioned_hlo(_outputs(module, *plain, backward, params)[0]))
 
 
 def _distinct(shape: torch.Size, dtype: torch.dtype, device: torch.device, index: int) -> torch.Tensor:
