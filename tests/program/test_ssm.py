@@ -58,11 +58,12 @@ def test_mamba2_splits_its_mixer_and_matches_the_cpu_model(groups):
     both = xla_tp.audit(model, input_ids=dev, backward=True)
     # the unsharded program's depthwise kernel gradient compiles to a dense convolution on the CPU, which the
     # split program (shifted products) does not run: its balance is no measure here, its collectives are. Not
-    # below the minimum (the gated norm scales split features: its input's gradient needs no all-reduce); one
-    # group's B and C rows, copied on every device, have their weight gradients summed over the model axis
-    # (2 all-reduces of [64, 16] a layer), which Megatron's layout does not need: 1.13 of it
+    # below the minimum (the gated norm scales split features: its input's gradient needs no all-reduce); a
+    # group's B and C rows, copied on the devices whose heads read it (1 or 2 groups on 4 devices), have their
+    # weight gradients summed over those devices (2 all-reduces a layer), which Megatron's layout does not
+    # need: 1.13 of it
     assert both.count("all-gather") == 0 and both.count("all-to-all") == 0, both
-    assert 1.0 <= both.comm_ratio <= (1.15 if groups == 1 else 1.10), both
+    assert 1.0 <= both.comm_ratio <= (1.15 if groups < 4 else 1.10), both
     assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
     _trained_like_the_cpu_model(model, ref, ids, dev)
     if groups == 2:
