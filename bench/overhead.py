@@ -1,10 +1,11 @@
 """Host trace overhead of xla_tp against the same sharding written by hand, on an 8-layer HF Llama (2x4).
 
-Five models, traced interleaved (forward + backward, process CPU time, ``TRACES`` rounds after a
+Seven models, traced interleaved (forward + backward, process CPU time, ``TRACES`` rounds after a
 warm-up, nothing executed, the order reversed every other round): no tensor parallelism; torch's
-Colwise/Rowwise plan by xla_tp and by hand (one ``xs.mark_sharding`` per weight); torchtitan's
-sequence-parallel plan by xla_tp and by hand (the same parameter specs, plus the plan's activation
-layouts written as ``xs.mark_sharding`` in forward hooks). A ratio is the median over the rounds of
+Colwise/Rowwise plan by xla_tp and by hand (one ``xs.mark_sharding`` per weight), on the Llama with 8
+key/value heads and on one with 4 (grouped-query: q, k and v are not one shape, so xla_tp's column group
+for them takes its Python backward); torchtitan's sequence-parallel plan by xla_tp and by hand (the same
+parameter specs, plus the plan's activation layouts written as ``xs.mark_sharding`` in forward hooks). A ratio is the median over the rounds of
 the two routes' ratio in that round (paired: a slow moment of the machine slows both). Example::
 
     ratios = trace_overhead()["ratios"]      # {"xla_tp / hand (torch plan)": 1.04, ...}
@@ -78,25 +79,27 @@ def hand_sp(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return model
 
 
-def _llama() -> torch.nn.Module:
+def _llama(kv_heads: int = 8) -> torch.nn.Module:
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
-        vocab_size=256))
+        hidden_size=128, intermediate_size=256, num_hidden_layers=8, num_attention_heads=8,
+        num_key_value_heads=kv_heads, vocab_size=256))
 
 
 def trace_overhead(traces: int = TRACES) -> dict[str, Any]:
     """Trace-time stats per route (seconds) and the paired ratios (see the module), from one interleaved run."""
     mesh = xla_tp.make_mesh(data=2, model=4)
-    base, device = _llama(), torch_xla.device()
+    base, grouped_query, device = _llama(), _llama(kv_heads=4), torch_xla.device()
     routes = {
         "none": lambda m: m.to(device),
         "hand (torch plan)": lambda m: hand_apply(m.to(device), torch_plan(), mesh),
         "xla_tp (torch plan)": lambda m: xla_tp.parallelize_xla(m, torch_plan(), mesh=mesh),
+        "hand (torch plan, 4 kv heads)": lambda m: hand_apply(m.to(device), torch_plan(), mesh),
+        "xla_tp (torch plan, 4 kv heads)": lambda m: xla_tp.parallelize_xla(m, torch_plan(), mesh=mesh),
         "hand (SP plan)": lambda m: hand_sp(m.to(device), mesh),
         "xla_tp (SP plan)": lambda m: xla_tp.parallelize_xla(m, sp_plan(), mesh=mesh),
     }
-    models = {name: make(copy.deepcopy(base)) for name, make in routes.items()}
+    models = {name: make(copy.deepcopy(grouped_query if "kv heads" in name else base)) for name, make in routes.items()}
     ids = torch.randint(0, 256, (8, 32)).to(device)
     xs.mark_sharding(ids, mesh, ("data", None))
     samples: dict[str, list[float]] = {name: [] for name in models}
@@ -111,6 +114,8 @@ def trace_overhead(traces: int = TRACES) -> dict[str, Any]:
         return round(statistics.median(x / y for x, y in zip(samples[a], samples[b])), 3)
 
     ratios = {"xla_tp / hand (torch plan)": paired("xla_tp (torch plan)", "hand (torch plan)"),
+              "xla_tp / hand (torch plan, 4 kv heads)": paired("xla_tp (torch plan, 4 kv heads)",
+                                                               "hand (torch plan, 4 kv heads)"),
               "xla_tp / hand (SP plan)": paired("xla_tp (SP plan)", "hand (SP plan)"),
               "xla_tp (SP plan) / none": paired("xla_tp (SP plan)", "none"),
               "hand (SP plan) / none": paired("hand (SP plan)", "none")}

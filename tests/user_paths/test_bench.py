@@ -41,7 +41,8 @@ def test_bench_quick_writes_json_markdown_and_chart(tmp_path):
     assert "## Training steps" in table and "compiles 1 + 0" in table
     overhead = results["trace_overhead"]
     assert overhead["traces"] == QUICK_TRACES and set(overhead["ratios"]) == {
-        "xla_tp / hand (torch plan)", "xla_tp / hand (SP plan)", "xla_tp (SP plan) / none", "hand (SP plan) / none"}
+        "xla_tp / hand (torch plan)", "xla_tp / hand (torch plan, 4 kv heads)", "xla_tp / hand (SP plan)",
+        "xla_tp (SP plan) / none", "hand (SP plan) / none"}
     assert all(0.5 < v < 3 for v in overhead["ratios"].values()), overhead["ratios"]
     auto = by_route["e_xla_auto_sharding"]  # runs on CPU, but the CPU compiler has no auto-sharding pass
     assert auto["status"] == "ok" and auto["auto_compiles"] == 1, auto
