@@ -10,8 +10,8 @@ from torch import nn
 
 import xla_tp
 from xla_tp import ColwiseParallel, RowwiseParallel
-from xla_tp.lowering import attention, rejoin
-from xla_tp.lowering.entry import by_row, clamp_slices, placed
+from xla_tp.lowering import attention, chunks, rejoin
+from xla_tp.lowering.entry import clamp_slices, placed, placed_in_groups, row_groups
 
 from ..helpers import collective_counts, max_err
 
@@ -163,13 +163,13 @@ def test_placed_features_equal_masked_scatter_values_and_gradients(shape, mask_s
 
 def test_placed_features_of_one_image_per_row_are_read_within_the_row():
     """Every row holding the same number of placeholders (an image per row): each row reads its own block of the
-    features (``by_row``), the values and both gradients ``masked_scatter``'s; one row more or less, not."""
+    features (``row_groups``), the values and both gradients ``masked_scatter``'s; one row more or less, not."""
     g = torch.Generator().manual_seed(0)
     mask = torch.zeros(4, 24, 1, dtype=torch.bool)
     for row, start in enumerate((2, 0, 7, 18)):
         mask[row, start:start + 5] = True
     x, src = torch.randn(4, 24, 16, generator=g), torch.randn(4 * 5 * 16, generator=g)
-    assert by_row(mask.expand_as(x).reshape(4, -1), src)
+    assert row_groups(mask.expand_as(x).reshape(4, -1), src) == 4
     got, want = [(x.clone().requires_grad_(), src.clone().requires_grad_()) for _ in range(2)]
     out_got, out_want = placed(got[0], mask, got[1]), want[0].masked_scatter(mask, want[1])
     assert torch.equal(out_got, out_want)
@@ -178,7 +178,43 @@ def test_placed_features_of_one_image_per_row_are_read_within_the_row():
     (out_want * weights).sum().backward()
     assert torch.equal(got[0].grad, want[0].grad) and torch.equal(got[1].grad, want[1].grad)
     mask[0, 10], mask[1, 0] = True, False  # the same total, not per row
-    assert not by_row(mask.expand_as(x).reshape(4, -1), src)
+    assert not row_groups(mask.expand_as(x).reshape(4, -1), src)
+
+
+def test_placed_features_of_images_of_different_sizes_are_read_within_each_block_of_rows():
+    """Rows holding 5, 3, 4 and 4 placeholders (images of different sizes): no row's share is equal, but each block
+    of two rows of a batch split in two holds half the features (``row_groups``), which it reads as its own block:
+    the values and both gradients ``masked_scatter``'s. Blocks of 7 and 9 placeholders, or no split: not."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.zeros(4, 24, 1, dtype=torch.bool)
+    for row, (start, n) in enumerate(((2, 5), (0, 3), (7, 4), (18, 4))):
+        mask[row, start:start + n] = True
+    x, src = torch.randn(4, 24, 16, generator=g), torch.randn(16 * 16, generator=g)
+    rows = mask.expand_as(x).reshape(4, -1)
+    assert row_groups(rows, src, ways=2) == 2 and not row_groups(rows, src, ways=1)
+    got, want = [(x.clone().requires_grad_(), src.clone().requires_grad_()) for _ in range(2)]
+    out_got, out_want = placed_in_groups(got[0], mask, got[1], 2), want[0].masked_scatter(mask, want[1])
+    assert torch.equal(out_got, out_want)
+    weights = torch.randn(out_got.shape, generator=g)
+    (out_got * weights).sum().backward()
+    (out_want * weights).sum().backward()
+    assert torch.equal(got[0].grad, want[0].grad) and torch.equal(got[1].grad, want[1].grad)
+    mask[1, 3], mask[2, 7] = True, False  # 9 and 7 per block
+    assert not row_groups(mask.expand_as(x).reshape(4, -1), src, ways=2)
+
+
+def test_unequal_chunks_whole_in_each_block_attend_as_blocks_with_a_block_diagonal_mask():
+    """Chunks of 3, 5, 6 and 2 rows split in two blocks of 8: attention over each block with the mask
+    ``block_diagonal`` gives, is attention per chunk, concatenated; a chunk across the blocks' edge, or chunks all
+    equal (``batched``), or no split, give no mask."""
+    sizes = [3, 5, 6, 2]
+    q, k, v = (torch.randn(1, 2, 16, 4, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    want = torch.cat([F.scaled_dot_product_attention(*c) for c in zip(*(t.split(sizes, 2) for t in (q, k, v)))], 2)
+    mask = chunks.block_diagonal(sizes, 2)
+    blocks = [chunks.batched(t, [8, 8], 2)[0] for t in (q, k, v)]
+    got = F.scaled_dot_product_attention(*blocks, attn_mask=mask)
+    assert torch.allclose(got.movedim(0, 1).reshape(want.shape), want, atol=1e-6)
+    assert all(chunks.block_diagonal(s, w) is None for s, w in (([3, 6, 5, 2], 2), ([4, 4, 4, 4], 2), (sizes, 1)))
 
 
 def test_pieces_joined_back_in_order_are_their_tensor():

@@ -161,6 +161,29 @@ def test_qwen_vl_a_vision_tower_of_flattened_patches_planned_and_its_text_and_im
 
 
 @pytest.mark.complete
+def test_qwen2_vl_images_of_different_sizes_in_one_batch(mesh):
+    """Qwen2-VL's image call with images of two sizes (16 and 32 patches, 4 and 8 placeholders per row), each data
+    shard's rows holding the same number of patches: the tower's attention of unequal chunks runs as the shards'
+    blocks of patches, a block-diagonal mask keeping each image to itself, and the features are put in place
+    within each shard's rows, so nothing but the tower's rotary positions moves over data: no all-gather and no
+    collective-permute (both moved chunks and features between shards before), within 1.10 of the minimum."""
+    cpu, _ = keyword_models.build("qwen2_vl")
+    image = keyword_models.IMAGE_TOKEN
+    grids = torch.tensor([[1, 4, 4], [1, 4, 8], [1, 4, 4], [1, 8, 4]])
+    ids = torch.randint(4, image - 3, (4, 16), generator=torch.Generator().manual_seed(0))
+    for row, grid in enumerate(grids):
+        n = int(grid.prod()) // 4  # the merger joins 2 x 2 patches into a placeholder's features
+        ids[row, 1], ids[row, 2:2 + n], ids[row, 2 + n] = image - 2, image, image - 3
+    pixels = torch.randn(int(grids.prod(1).sum()), 3 * 2 * 4 * 4, generator=torch.Generator().manual_seed(1))
+    call = {"input_ids": ids, "pixel_values": pixels, "image_grid_thw": grids, "mm_token_type_ids": (ids == image).int()}
+    model = xla_tp.parallelize_xla(copy.deepcopy(cpu), "auto", mesh=mesh)
+    text, report = _checked_call(model, cpu, call, mesh)
+    found = collectives_of(text)
+    assert set(found) <= {"all-reduce", "all-to-all"}, found
+    assert report.comm_ratio <= 1.10 and report.compute_balance <= 1.15, (report.comm_ratio, report.compute_balance)
+
+
+@pytest.mark.complete
 def test_gemma3_vision_language_models_image_call(mesh):
     """Gemma 3 by "auto" with no example input: its language model attends with grouped key/value heads inside SDPA
     (``enable_gqa``, no ``repeat_kv``), which repeats each key/value head over its query heads, so its k/v

@@ -35,6 +35,7 @@ from .packed import output_blocks, packed_blocks, packing_of
 
 _FLASH = {"enabled": False, "interpret": False, "balance": True}
 _masks = threading.local()
+_chunks = threading.local()  # the block-diagonal mask of a batch of unequal chunks (lowering.chunks)
 
 
 def use_flash_attention(enabled: bool = True, interpret: bool = False, balance: bool = True) -> None:
@@ -82,11 +83,31 @@ def flash_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Opt
                 ab=ab, partition_spec=spec, mesh=mesh)
 
 
+def chunks_mask(mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``mask`` (``[blocks, 1, rows, rows]``) taken by the attention of the batch of unequal chunks
+    ``lowering.chunks`` just made, which the model calls with no mask; the one pending before, if no attention
+    took it (None: none pending)."""
+    before, _chunks.mask = getattr(_chunks, "mask", None), mask
+    return before
+
+
+def _chunked(query: torch.Tensor, key: torch.Tensor, attn_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``attn_mask``, or the pending block-diagonal mask of chunks (``chunks_mask``) when there is none and the
+    attention's queries and keys are its batch of chunks (the mask is then taken)."""
+    mask = getattr(_chunks, "mask", None)
+    if (attn_mask is not None or mask is None or query.dim() != 4 or query.shape[0] != mask.shape[0]
+            or query.shape[-2] != mask.shape[-2] or key.shape[-2] != mask.shape[-1]):
+        return attn_mask
+    _chunks.mask = None
+    return mask.to(query.device)
+
+
 def sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Optional[torch.Tensor] = None,
          dropout_p: float = 0.0, is_causal: bool = False, scale: Optional[float] = None,
          enable_gqa: bool = False) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` as two einsums (or the flash kernel on TPU, see the module)."""
     scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    attn_mask = _chunked(query, key, attn_mask)
     split = splits_queries(query)
     if split and _FLASH["enabled"] and (enable_gqa or key.shape[-3] == query.shape[-3]):
         blocks = context_flash.plan(query, key, attn_mask, dropout_p, is_causal, scale, _FLASH["interpret"],

@@ -3,8 +3,10 @@ as one batch of chunks. Qwen2-VL's vision tower attends within each image: it sp
 values ``[1, heads, patches, dim]`` into the images' chunks and loops over them. Its patches are split over
 the data axis with the batch; a chunk of that dimension cannot stay split (GSPMD moves every chunk between
 devices), a batch of chunks can: ``split`` into ``n`` equal chunks gives one chunk ``[n, heads, length, dim]``,
-which the model's loop gives to its attention once and ``cat`` takes back, in the same order. Chunks of other
-lengths are split as they are. Likewise rows reordered by an index the host holds (``x[index]``: Qwen2.5-VL's
+which the model's loop gives to its attention once and ``cat`` takes back, in the same order. Chunks of unequal
+lengths (images of different sizes) that each block of the batch split holds whole are the blocks as one batch,
+attended with a block-diagonal mask (``attention.chunks_mask``: a query reads the keys of its own chunk; more
+scores computed, none moved); other chunks are split as they are. Likewise rows reordered by an index the host holds (``x[index]``: Qwen2.5-VL's
 tower puts each image's patches in windows, its index made on the CPU) that moves no row out of its block of the
 batch split: a gather within each block, which stays split (``x[index]`` itself gathers every row everywhere).
 Example::
@@ -23,7 +25,7 @@ from ..batch import ways
 from ..dataflow.chunks import per_chunk_attention, reordered_rows
 from ..dataflow.graph import Graph
 from ..weak import ByModule
-from . import scope
+from . import attention, scope
 from .entry import GETITEM
 
 _SPLITS = (torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes)
@@ -43,6 +45,28 @@ def batched(x: Any, sizes: Any, dim: int = 0) -> Optional[tuple[torch.Tensor]]:
     if dim == 0 or x.shape[0] != 1 or len(set(sizes)) != 1 or sum(sizes) != x.shape[dim]:
         return None
     return (x.unflatten(dim, (len(sizes), sizes[0])).movedim(dim, 0).squeeze(1),)
+
+
+def block_diagonal(sizes: Any, blocks: int) -> Optional[torch.Tensor]:
+    """Which keys each query of a block attends to when chunks of ``sizes`` (two or more, not all equal) are
+    taken ``blocks`` blocks at a time: a ``[blocks, 1, rows, rows]`` mask, True within a chunk, when every
+    block of the batch split holds whole chunks (None otherwise).
+
+    >>> block_diagonal([1, 1, 2], 2)[:, 0].int().tolist()
+    [[[1, 0], [0, 1]], [[1, 1], [1, 1]]]
+    >>> block_diagonal([1, 2, 3, 2], 2) is None
+    True
+    """
+    if (blocks < 2 or not isinstance(sizes, (list, tuple)) or len(set(sizes)) < 2
+            or not all(isinstance(n, int) and n > 0 for n in sizes) or sum(sizes) % blocks):
+        return None
+    rows = sum(sizes) // blocks
+    chunk = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    ends = torch.tensor(sizes).cumsum(0)
+    if not set(range(rows, rows * blocks + 1, rows)) <= set(ends.tolist()):
+        return None
+    chunk = chunk.view(blocks, rows)
+    return (chunk[:, :, None] == chunk[:, None, :])[:, None]
 
 
 def blocked(x: torch.Tensor, index: Any, blocks: int) -> Optional[torch.Tensor]:
@@ -78,10 +102,22 @@ class _Batched(TorchFunctionMode):
         on_device = scope.lowering() and args and isinstance(args[0], torch.Tensor) and args[0].device.type == "xla"
         out = None
         if on_device and func in _SPLITS:
-            out = batched(*args, **kwargs)
+            out = batched(*args, **kwargs) or _masked_blocks(*args, **kwargs)
         elif on_device and func is GETITEM and len(args) == 2:
             out = blocked(args[0], args[1], _batch_ways())
         return func(*args, **kwargs) if out is None else out
+
+
+def _masked_blocks(x: torch.Tensor, sizes: Any, dim: int = 0) -> Optional[tuple[torch.Tensor]]:
+    """``x.split(sizes, dim)`` of unequal chunks each block of the batch split holds whole: the blocks as
+    one batch of chunks (``batched``), which the attention after takes with their block-diagonal mask."""
+    mask = block_diagonal(sizes, _batch_ways())
+    if mask is None:
+        return None
+    out = batched(x, [sum(sizes) // mask.shape[0]] * mask.shape[0], dim)
+    if out is not None:
+        attention.chunks_mask(mask)
+    return out
 
 
 def _batch_ways() -> int:
@@ -115,6 +151,9 @@ def _hooks(module: nn.Module) -> tuple[Any, Any]:
     def leave(_module: nn.Module, _args: Any, _out: Any) -> None:
         if modes:
             modes.pop().__exit__(None, None, None)
+        if attention.chunks_mask(None) is not None:
+            raise RuntimeError(f"xla_tp: {type(module).__name__} batched its chunks of unequal lengths, but no "
+                               f"attention took their block-diagonal mask")
     return module.register_forward_pre_hook(enter), module.register_forward_hook(leave, always_call=True)
 
 

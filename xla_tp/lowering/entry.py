@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from ..axes import spec_entry
-from ..batch import batch_split
+from ..batch import batch_split, ways
 from ..dataflow.indexing import indexed_dims
 from ..state import param_state
 from . import attention, context, copies, embedding as vocab, packed, scope, selection, slots, tied, transposed
@@ -144,51 +144,69 @@ def histc(original: Callable[..., Any]) -> Callable[..., Any]:
 def placed(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
     """``x.masked_scatter(mask, source)`` in static shapes: the k-th True of ``mask`` (row-major) takes the
     k-th element of ``source``. torch_xla lowers ``masked_scatter`` through ``nonzero``, whose dynamic shape
-    GSPMD refuses on a batch split over devices (multimodal models put image features in place this way).
-    When every row (batch entry) holds the same share of ``source`` (one image per row, its features batched
-    like the rows: ``by_row``), each row reads its own block of ``source``, which stays on the devices of
-    that row's batch shard; otherwise the k-th True counts across the whole batch.
+    GSPMD refuses on a batch split over devices (multimodal models put image features in place with it).
+    When each row (batch entry), or else each block of rows of the batch split, holds the same share of
+    ``source`` (``row_groups``: an image per row, or images of different sizes whose features the tower
+    made in the rows' order), each reads its own block of ``source``, which stays on the devices of its
+    batch shard; otherwise the k-th True counts across the whole batch.
 
     >>> placed(torch.zeros(2, 3), torch.tensor([[True, False, True], [False, True, False]]), torch.arange(1., 4.))
     tensor([[1., 0., 2.],
             [0., 3., 0.]])
     """
     rows = mask.expand_as(x).reshape(x.shape[0] if x.dim() > 1 else 1, -1)  # a row per batch entry, kept split
-    if by_row(rows, source):
-        return _placed_by_row(x, mask, source)
+    groups = row_groups(rows, source, _split_ways(rows.shape[0]))
+    if groups:
+        return placed_in_groups(x, mask, source, groups)
     within = rows.to(torch.int32).cumsum(1)
     before = within[:, -1].cumsum(0) - within[:, -1]  # Trues of the rows before: one number per row moves
     order = (within + before[:, None] - 1).clamp(0, max(source.numel() - 1, 0))
     return torch.where(rows, source.reshape(-1)[order].to(x.dtype), x.reshape(rows.shape)).view(x.shape)
 
 
-def by_row(rows: torch.Tensor, source: torch.Tensor) -> bool:
-    """Whether each row of the mask ``rows`` (one per batch entry) has exactly ``source.numel() / len(rows)``
-    Trues: then row ``b``'s Trues take block ``b`` of ``source``, as they would counting across the batch.
+def row_groups(rows: torch.Tensor, source: torch.Tensor, ways: int = 1) -> int:
+    """How many groups of consecutive rows of the mask ``rows`` (one per batch entry) each hold exactly their
+    equal share of ``source``'s elements (then group ``g``'s Trues take block ``g`` of ``source``, as they would
+    counting across the batch): every row, else the ``ways`` blocks of rows of the batch split; 0 when neither.
     The counts are read on the host (transformers reads their total on the host already, to check it).
 
-    >>> by_row(torch.tensor([[True, False, True], [True, True, False]]), torch.arange(4.))
-    True
-    >>> by_row(torch.tensor([[True, True, True], [False, True, False]]), torch.arange(4.))
-    False
+    >>> row_groups(torch.tensor([[True, False, True], [True, True, False]]), torch.arange(4.))
+    2
+    >>> row_groups(torch.tensor([[True, True, True], [False, True, False]]), torch.arange(4.))
+    0
+    >>> row_groups(torch.tensor([[True, True, True], [False, True, False], [True, True, False], [True, True, False]]),
+    ...            torch.arange(8.), ways=2)
+    2
     """
     n, b = source.numel(), rows.shape[0]
-    if n == 0 or n % b or torch.compiler.is_compiling():
-        return False
-    return bool((rows.sum(1) == n // b).all())
+    if n == 0 or torch.compiler.is_compiling():
+        return 0
+    counts = rows.sum(1)
+    for groups in (b, ways):
+        if groups > 1 and b % groups == 0 and n % groups == 0 and bool((counts.view(groups, -1).sum(1) == n // groups).all()):
+            return groups
+    return b if b == 1 and int(counts.sum()) == n else 0
 
 
-def _placed_by_row(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """``placed`` where each row takes its own block of ``source`` (``by_row``): a gather within each row,
-    of whole feature vectors where the mask is broadcast over ``x``'s last dimension (transformers'
-    ``[batch, tokens, 1]`` mask), which keeps the rows' batch split."""
-    b = x.shape[0] if x.dim() > 1 else 1
+def _split_ways(b: int) -> int:
+    """Devices the running model splits a batch of ``b`` rows over (1 outside a parallelized forward)."""
+    state = scope.current() if scope.lowering() else None
+    sharder = getattr(state, "sharder", None)
+    if sharder is None:
+        return 1
+    return ways(batch_split(b, tuple(state.layout.batch_axes), sharder.sizes), sharder.sizes)
+
+
+def placed_in_groups(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor, groups: int) -> torch.Tensor:
+    """``placed`` where each of ``groups`` groups of rows takes its own block of ``source`` (``row_groups``): a
+    gather within each group, of whole feature vectors where the mask is broadcast over ``x``'s last dimension
+    (transformers' ``[batch, tokens, 1]`` mask), which keeps the rows' batch split."""
     width = x.shape[-1] if x.dim() > 1 and mask.shape[-1] == 1 else 1  # elements placed together
-    if source.numel() % (b * width):
+    if source.numel() % (groups * width):
         width = 1
-    cells = _split_rows(x.reshape(b, -1, width))
-    chosen = mask.expand_as(x).reshape(cells.shape)[..., 0]  # [rows, cells]: all or none of a cell's elements
-    blocks = _split_rows(_split_rows(source).reshape(b, -1, width).to(x.dtype))  # split before and after
+    cells = _split_rows(x.reshape(groups, -1, width))
+    chosen = mask.expand_as(x).reshape(cells.shape)[..., 0]  # [groups, cells]: all or none of a cell's elements
+    blocks = _split_rows(_split_rows(source).reshape(groups, -1, width).to(x.dtype))  # split before and after
     order = _split_rows((chosen.to(torch.int32).cumsum(1) - 1).clamp(0, blocks.shape[1] - 1).long())
     found = blocks.gather(1, order[..., None].expand(-1, -1, width))
     return torch.where(chosen[..., None], found, cells).view(x.shape)
