@@ -135,6 +135,13 @@ def stackable(weights: Sequence[torch.Tensor], biases: Sequence[Optional[torch.T
     return len({w.shape for w in weights}) == 1 and len({b is None for b in biases}) == 1
 
 
+def _stacked(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``params`` stacked on a new leading dim, each gradient its own tensor: ``torch.stack``'s backward hands each
+    parameter a view of one stacked gradient, which autograd keeps as the parameter's ``.grad``, and accumulating
+    into such views traces another program every step; an ``expand``'s backward sums over the new dim instead."""
+    return torch.cat([p.expand(1, *p.shape) for p in params])
+
+
 def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
                    biases: Sequence[Optional[torch.Tensor]]) -> tuple[torch.Tensor, ...]:
     """The members' outputs from one contraction; differentiating it gives one input gradient. Members that
@@ -147,9 +154,9 @@ def stacked_linear(tp: int, x: torch.Tensor, weights: Sequence[torch.Tensor],
     True
     """
     if stackable(weights, biases):
-        y = torch.einsum("...i,mfi->m...f", x, torch.stack(weights))       # [members, ..., out]
+        y = torch.einsum("...i,mfi->m...f", x, _stacked(weights))       # [members, ..., out]
         if biases[0] is not None:
-            y = y + torch.stack(biases).view(len(biases), *[1] * (x.dim() - 1), -1)
+            y = y + _stacked(biases).view(len(biases), *[1] * (x.dim() - 1), -1)
         return torch.unbind(y, 0)  # not ``Tensor.unbind``, whose ``rejoin`` effect would remember the pieces
     stacked = torch.cat([per_device(w, tp, 0) for w in weights], dim=1)       # [tp, S, in]
     y = torch.einsum("...i,tsi->...ts", x, stacked)
