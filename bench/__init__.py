@@ -1,5 +1,6 @@
 """Benchmarks (``python -m bench``, ``python -m bench.optimizers``, ``python -m bench.meta_init``,
-``python -m bench.generation``, ``python -m bench.long_context``)."""
+``python -m bench.generation``, ``python -m bench.long_context``; ``python -m bench.overhead`` and
+``python -m bench.planning``, which ``python -m bench`` runs too)."""
 import json
 from pathlib import Path
 

@@ -4,9 +4,10 @@ Each row: the forward audit, and on the 8-device meshes (for routes a, b, g) the
 audit, trace times (median, min, max of 9 after warm-up), and on the last mesh at the first width
 the training-step times per execution route (eager, ``torch_xla.compile``, dynamo) with their
 compile counts (the 1x4 child: the forward audit only). Then the trace overhead of xla_tp against
-hand-written sharding (``overhead``).
+hand-written sharding (``overhead``) and the planning time of a 70B-shaped model (``planning``).
 
-The 1x4 mesh runs in a child process with 4 CPU devices (a torch_xla mesh spans all devices).
+The 1x4 mesh runs in a child process with 4 CPU devices (a torch_xla mesh spans all devices); the
+trace overhead and the planning time each in a fresh one (``_fresh``).
 Options: ``--quick`` (one model, one width, the 1x8 mesh only, 3 timed steps, 9 trace-overhead rounds, no 70B
 planning time), ``--out DIR``.
 Example: ``python -m bench --quick --out /tmp/bench``.
@@ -59,6 +60,13 @@ def run_meshes(families, widths, meshes, extras: bool = True, steps: Optional[in
     return rows
 
 
+def _fresh(out: Path, name: str, *args: str) -> dict:
+    """``python -m bench.<name> --out out *args`` in a fresh process, as a user's script runs (at the end of this
+    run's heap, host times read up to twice as long and their ratios drift toward 1), and what it wrote."""
+    subprocess.run([sys.executable, "-m", f"bench.{name}", "--out", str(out), *args], check=True)
+    return json.loads((out / f"{name}.json").read_text())
+
+
 def main(argv=None) -> int:
     from .models import FAMILIES, WIDTHS
     parser = argparse.ArgumentParser(prog="python -m bench")
@@ -86,16 +94,15 @@ def main(argv=None) -> int:
         rows += json.loads(child.read_text())
     from .auto_sharding import summary
     from .jax_route import NOTE as JAX_NOTE, ROUTE as JAX_ROUTE
-    from .planning import planning_times
     from .render import CHART, render
-    from .overhead import QUICK_TRACES, trace_overhead
-    overhead = trace_overhead(QUICK_TRACES) if args.quick else trace_overhead()
+    from .overhead import QUICK_TRACES, TRACES
+    overhead = _fresh(out, "overhead", "--traces", str(QUICK_TRACES if args.quick else TRACES))
     print("trace overhead (paired medians of the same run):", json.dumps(overhead["ratios"]), flush=True)
     extra = {"e_xla_auto_sharding": summary(rows), JAX_ROUTE: JAX_NOTE,
              f"trace overhead ({overhead['model']}, paired median of {overhead['traces']} interleaved rounds, process CPU time)":
                  json.dumps(overhead["ratios"])}
     if not args.quick:  # a 70B-shaped model traced on meta: seconds, not a smoke run's business
-        extra["planning, Llama-3-70B shape on meta"] = json.dumps(planning_times())
+        extra["planning, Llama-3-70B shape on meta"] = json.dumps(_fresh(out, "planning"))
     (out / "routes.json").write_text(json.dumps({"rows": rows, **extra, "trace_overhead": overhead}, indent=1))
     render(rows, out, extra)
     print(f"wrote {out / 'routes.json'}, {out / 'latest.md'}, {out / CHART}")

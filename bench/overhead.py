@@ -12,8 +12,10 @@ the two routes' ratio in that round (paired: a slow moment of the machine slows 
 """
 from __future__ import annotations
 
+import argparse
 import copy
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,3 +124,19 @@ def trace_overhead(traces: int = TRACES) -> dict[str, Any]:
     return {"model": "HF Llama, 8 layers, hidden 128, batch 8 x 32, mesh 2x4, forward+backward",
             "traces": traces, "seconds": {name: stats(s) for name, s in samples.items()},
             "ratios": ratios}
+
+
+def main(argv=None) -> int:
+    """``python -m bench.overhead [--traces N] [--out DIR]``: ``trace_overhead`` in this (fresh) process, written
+    to ``DIR/overhead.json``."""
+    from . import write_result
+    parser = argparse.ArgumentParser(prog="python -m bench.overhead")
+    parser.add_argument("--traces", type=int, default=TRACES)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    args = parser.parse_args(argv)
+    write_result(args.out, "overhead.json", trace_overhead(args.traces))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
