@@ -165,7 +165,7 @@ class Loop:
         self.model.train()
         self.reporter.start(r.steps, start_step)
         last_time, last_step, t0 = time.perf_counter(), start_step, time.perf_counter()
-        step = start_step
+        step, compiled_before = start_step, compiled()  # the steps' own programs, not the check's or the audit's
         try:
             with StopFlag() as flag:
                 while step < r.steps and not flag.stop:
@@ -176,7 +176,8 @@ class Loop:
                     if step % r.log_interval == 0 or step in (start_step + 1, r.steps) or flag.stop:
                         value = loss.item()   # waits for the step: the interval's time is device time
                         now = time.perf_counter()
-                        metrics = self._metrics(step, value, lr, now - last_time, step - last_step, now - t0)
+                        metrics = self._metrics(step, value, lr, now - last_time, step - last_step, now - t0,
+                                               compiled() - compiled_before)
                         self.reporter.step(step, {**metrics, "first": step == start_step + 1})
                         last_time, last_step = now, step
                     else:
@@ -206,9 +207,9 @@ class Loop:
         return loss
 
     def _metrics(self, step: int, loss: float, lr: float, seconds: float, steps: int,
-                 elapsed: float) -> dict[str, Any]:
+                 elapsed: float, compiles: int) -> dict[str, Any]:
         tokens_per_s = steps * self.recipe.batch * self.recipe.seq_len / max(seconds, 1e-9)
         mfu = None if self.peak_flops is None else tokens_per_s * self.flops_per_token / self.peak_flops
         return {"step": step, "steps": self.recipe.steps, "loss": loss, "lr": lr,
                 "tokens_per_s": tokens_per_s, "mfu": mfu, "elapsed_s": round(elapsed, 3),
-                "compiles": compiled(), **moe_dropped(self.model)}
+                "compiles": compiles, **moe_dropped(self.model)}
