@@ -21,12 +21,11 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from ..batch import ways
 from ..dataflow.chunks import per_chunk_attention, reordered_rows
 from ..dataflow.graph import Graph
 from ..weak import ByModule
 from . import attention, scope
-from .entry import GETITEM
+from .entry import GETITEM, batch_ways
 
 _SPLITS = (torch.split, torch.Tensor.split, torch.Tensor.split_with_sizes)
 
@@ -104,29 +103,20 @@ class _Batched(TorchFunctionMode):
         if on_device and func in _SPLITS:
             out = batched(*args, **kwargs) or _masked_blocks(*args, **kwargs)
         elif on_device and func is GETITEM and len(args) == 2:
-            out = blocked(args[0], args[1], _batch_ways())
+            out = blocked(args[0], args[1], batch_ways(args[0].shape[0]) if args[0].dim() else 1)
         return func(*args, **kwargs) if out is None else out
 
 
 def _masked_blocks(x: torch.Tensor, sizes: Any, dim: int = 0) -> Optional[tuple[torch.Tensor]]:
     """``x.split(sizes, dim)`` of unequal chunks each block of the batch split holds whole: the blocks as
     one batch of chunks (``batched``), which the attention after takes with their block-diagonal mask."""
-    mask = block_diagonal(sizes, _batch_ways())
+    mask = block_diagonal(sizes, batch_ways(x.shape[dim]))
     if mask is None:
         return None
     out = batched(x, [sum(sizes) // mask.shape[0]] * mask.shape[0], dim)
     if out is not None:
         attention.chunks_mask(mask)
     return out
-
-
-def _batch_ways() -> int:
-    """Devices the running model splits its batch over."""
-    state = scope.current()
-    if state is None:
-        return 1
-    sizes = dict(zip(getattr(state.mesh, "axis_names", ()), (int(n) for n in getattr(state.mesh, "mesh_shape", ()))))
-    return ways(tuple(state.layout.batch_axes), sizes)
 
 
 _installed: ByModule[tuple[Any, ...]] = ByModule()

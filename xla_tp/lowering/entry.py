@@ -155,7 +155,7 @@ def placed(x: torch.Tensor, mask: torch.Tensor, source: torch.Tensor) -> torch.T
             [0., 3., 0.]])
     """
     rows = mask.expand_as(x).reshape(x.shape[0] if x.dim() > 1 else 1, -1)  # a row per batch entry, kept split
-    groups = row_groups(rows, source, _split_ways(rows.shape[0]))
+    groups = row_groups(rows, source, batch_ways(rows.shape[0]))
     if groups:
         return placed_in_groups(x, mask, source, groups)
     within = rows.to(torch.int32).cumsum(1)
@@ -188,8 +188,9 @@ def row_groups(rows: torch.Tensor, source: torch.Tensor, ways: int = 1) -> int:
     return b if b == 1 and int(counts.sum()) == n else 0
 
 
-def _split_ways(b: int) -> int:
-    """Devices the running model splits a batch of ``b`` rows over (1 outside a parallelized forward)."""
+def batch_ways(b: int) -> int:
+    """Devices the running model splits a batch of ``b`` rows over (1 outside a parallelized forward): its batch
+    axes that ``b`` divides (``batch.batch_split``)."""
     state = scope.current() if scope.lowering() else None
     sharder = getattr(state, "sharder", None)
     if sharder is None:
