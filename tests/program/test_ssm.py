@@ -1,8 +1,11 @@
 """State-space mixers under "auto", called as a user calls them (``model(input_ids=...)``, no example input):
 Mamba2 split by heads (B/C copied with one group or two, split with the heads with four), Qwen3-Next's gated delta
-net split by key-head group (over a sub-axis where the model axis does not divide the groups), their figures
+net split by key-head group (over a sub-axis where the model axis does not divide the groups), Mamba (v1) and
+LFM2's short convolution chunking their projection over channels, Zamba2's shared MLP adding two re-laid
+projections, their figures
 from the audit of that call, their logits and one training step against the CPU model."""
 import copy
+import warnings
 
 import pytest
 import torch
@@ -148,3 +151,51 @@ def test_qwen3_next_key_heads_the_model_axis_does_not_divide_split_over_a_sub_ax
     assert "splits into 4 heads/blocks" in text and "split over 4 of 8 devices (sub-axis)" in text
     assert forward.compute_balance <= choice.chosen.price.balance(8), forward
 
+
+
+def mamba() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.MambaForCausalLM(transformers.MambaConfig(
+        hidden_size=64, num_hidden_layers=2, vocab_size=128, state_size=8, expand=2, time_step_rank=8))
+
+
+def lfm2() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return transformers.Lfm2ForCausalLM(transformers.Lfm2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=128, layer_types=["conv", "full_attention"]))
+
+
+@pytest.mark.parametrize("build", [mamba, lfm2], ids=["mamba", "lfm2"])
+def test_mixers_that_chunk_their_projection_over_channels_read_it_in_place(build):
+    """Mamba (v1; Jamba's and Falcon-Mamba's mixer) and LFM2's short convolution transpose their packed ``in_proj``
+    output to channels-first and chunk it there: each chunk read in place on its devices, the depthwise
+    convolution computed as shifted products (no batch gathered for its kernel's gradient); forward and
+    forward+backward at the minimum, nothing put back in the original order."""
+    ref = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model, ids, dev = _split_forward_at_target(ref)
+        both = xla_tp.audit(model, input_ids=dev, backward=True)
+        assert set(both.collectives) == {"all-reduce"} and both.comm_ratio <= 1.01, both
+        assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4
+    _trained_like_the_cpu_model(model, ref, ids, dev)
+    ref.eval(), model.eval()  # decoding: the convolution's cached positions in the order they were computed in
+    want = ref.generate(input_ids=ids[:2, :8], max_new_tokens=5, do_sample=False)
+    got = model.generate(input_ids=ids[:2, :8].to(torch_xla.device()), max_new_tokens=5, do_sample=False)
+    assert torch.equal(got.cpu(), want)
+
+
+def test_zamba2_adds_two_projections_laid_out_alike_in_place():
+    """Zamba2's shared MLP adds its ``gate_up_proj`` output and a per-layer adapter's, both packed [gate | up] and
+    re-laid device-major alike: the sum is taken as laid out, nothing put back in the original order."""
+    torch.manual_seed(0)
+    ref = transformers.Zamba2ForCausalLM(transformers.Zamba2Config(
+        hidden_size=64, num_hidden_layers=2, layers_block_type=["mamba", "hybrid"], num_attention_heads=8,
+        num_key_value_heads=8, intermediate_size=128, vocab_size=128, mamba_d_state=8, n_mamba_heads=8,
+        mamba_ngroups=1, chunk_size=16, use_mamba_kernels=False, use_mem_eff_path=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        model, ids, dev = _split_forward_at_target(ref)
+        assert set(xla_tp.audit(model, input_ids=dev).collectives) == {"all-reduce"}
+        assert max_err(model(input_ids=dev).logits, ref(input_ids=ids).logits) < 1e-4

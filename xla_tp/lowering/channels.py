@@ -1,11 +1,13 @@
 """A re-laid packed output whose features are moved off the last dim, as channels: Mamba2's ``[x | B | C]``
-transposed to ``[B, C, L]`` for a depthwise convolution, then transposed back and split.
+transposed to ``[B, C, L]`` for a depthwise convolution, then transposed back and split; Mamba's (and LFM2's)
+``in_proj`` output transposed first and chunked over its channels (``pieces``: each chunk read in place).
 
 The features stay in their device-major layout (``packed``) through what treats each channel alone (the
 convolution, whose kernel is re-laid the same way, an activation, a cast, a slice of the positions), so the
 model's own split afterwards reads each block in place. ``follow`` runs one such op on a tagged tensor and
 tags its output, with the dim the features are on when it is not the last (``laid_dim``); for anything
-else it returns ``NotImplemented`` (the mode puts the original order back). Example::
+else it returns ``NotImplemented`` (the mode puts the original order back). A depthwise ``conv1d`` of channels
+read in place runs as shifted products (``depthwise``), as a re-laid one does. Example::
 
     xbc = zxbcdt.split([128, 160, 8], -1)[1]     # tagged: [x_d | B | C] on each device
     y = F.conv1d(xbc.transpose(1, 2), w, b, groups=256).transpose(1, 2)   # tagged again, features last
@@ -18,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..dataflow.indexing import indexed_dims
-from . import copies, packed
+from . import copies, packed, scope
 from .entry import GETITEM
 from .tags import Tag
 
@@ -73,6 +75,21 @@ def follow(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: 
     return tagged(out, packing, dim)
 
 
+def pieces(t: torch.Tensor, packing: packed.Packing, ranges: list[tuple[int, int]]) -> Optional[list[torch.Tensor]]:
+    """``packed.pieces`` of the tagged ``t`` along the dim its features are on: Mamba's ``in_proj(h).transpose(1, 2)``
+    chunked into ``x`` and the gate over its channels, each read in place (a run of blocks tagged on that dim)."""
+    dim = laid_dim(t)
+    if dim == t.dim() - 1:
+        return packed.pieces(t, packing, ranges)
+    if packing.whole:  # copied blocks carry their copies on the last dim
+        return None
+    got = packed.pieces(t.movedim(dim, -1), packing, ranges)
+    if got is None:
+        return None
+    return [p.movedim(-1, dim) if packed.tag_of(p) is None else tagged(p.movedim(-1, dim), packed.tag_of(p), dim)
+            for p in got]
+
+
 def _same_layout(a: Any, t: torch.Tensor) -> bool:
     """Whether ``a`` holds re-laid features as the tagged ``t`` does (the same packing, on the same dim)."""
     return a is t or (packed.tag_of(a) == packed.tag_of(t) and laid_dim(a) == laid_dim(t))
@@ -94,7 +111,17 @@ def joined(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
     return tagged(torch.cat(tensors, dim), packing, laid)
 
 
-HANDLERS = {torch.cat: joined, torch.concat: joined, torch.concatenate: joined}
+def depthwise(input: Any, weight: Any, bias: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """A depthwise ``conv1d`` of channels read in place (Mamba's ``x`` chunked from its re-laid ``in_proj``) as
+    ``shifted`` products: GSPMD would gather the batch split over the data axis for the kernel's gradient.
+    ``NotImplemented`` for a tagged input (``follow``'s) and any other convolution."""
+    if not isinstance(input, torch.Tensor) or packed.tag_of(input) is not None or input.dim() != 3 \
+            or not scope.lowering():  # the plain computation (the audit's reference) runs the model's own
+        return NotImplemented
+    return shifted(input, weight, bias, *args, **kwargs)
+
+
+HANDLERS = {torch.cat: joined, torch.concat: joined, torch.concatenate: joined, F.conv1d: depthwise}
 
 
 def _convolved(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: packed.Packing,
@@ -134,4 +161,4 @@ def shifted(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return out if bias is None else out + bias[:, None]
 
 
-__all__ = ["HANDLERS", "follow", "follows", "joined", "laid_dim", "shifted", "tagged"]
+__all__ = ["HANDLERS", "follow", "follows", "joined", "laid_dim", "pieces", "shifted", "tagged"]

@@ -91,7 +91,7 @@ class Lowering(TorchFunctionMode):
                 return self.tag(out, packing)
         ranges = _slice_ranges(func, args, kwargs, tensor, packing.size)
         if ranges is not None:
-            got = packed.pieces(tensor, packing, ranges)
+            got = channels.pieces(tensor, packing, ranges)
             if got is not None:
                 return got[0] if func is torch.Tensor.narrow or _is_getitem(func) else tuple(got)
         if func in _ELEMENTWISE:
@@ -117,12 +117,15 @@ class Lowering(TorchFunctionMode):
 def _elementwise(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: packed.Packing) -> Any:
     """An element-wise op of the tagged ``t`` (features last) with tensors of one value per original feature
     (Falcon-H1's ``zxbcdt * mup_vector``) or broadcast over them: those re-laid the same way, the output in
-    ``t``'s layout; ``NotImplemented`` for anything else (another tagged tensor, other shapes)."""
+    ``t``'s layout; with another output re-laid as ``t`` is (Zamba2's ``gate_up_proj(h) + adapter(h)``) as it is;
+    ``NotImplemented`` for anything else (another layout, other shapes)."""
     if channels.laid_dim(t) != t.dim() - 1 or kwargs or packing.padded:  # zero features: 0 / 0
         return NotImplemented
     laid = []
     for a in args:
         if a is t or not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[-1] == 1:
+            laid.append(a)
+        elif packed.tag_of(a) == packing and channels.laid_dim(a) == a.dim() - 1 and a.shape[-1] == t.shape[-1]:
             laid.append(a)
         elif packed.tag_of(a) is None and a.shape[-1] == packing.size:
             laid.append(packed.permute(a, dataclasses.replace(packing, dim=a.dim() - 1)))
@@ -172,9 +175,9 @@ def _laid_shape(args: tuple, packing: packed.Packing) -> tuple:
 
 
 def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor, n: int) -> Optional[list[tuple[int, int]]]:
-    """The feature ranges a slicing op takes from ``t``'s last dim (``n`` original features), or None
-    if it is not such an op."""
-    last = t.dim() - 1
+    """The feature ranges a slicing op takes from ``t``'s re-laid features (``n`` original features; the last dim, or
+    the channels dim they were moved to: ``channels.laid_dim``), or None if it is not such an op."""
+    last = channels.laid_dim(t)
 
     def on_last(dim: Any) -> bool:
         return isinstance(dim, int) and dim % t.dim() == last
@@ -200,9 +203,10 @@ def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor, n: int) -> O
         if Ellipsis in index:
             i = index.index(Ellipsis)
             index = index[:i] + (slice(None),) * (t.dim() - len(index) + 1) + index[i + 1:]
-        if len(index) != t.dim() or any(not isinstance(i, slice) or i != slice(None) for i in index[:-1]):
+        if len(index) != t.dim() or any(not isinstance(i, slice) or i != slice(None) for d, i in enumerate(index)
+                                        if d != last):
             return None
-        last_index = index[-1]
+        last_index = index[last]
         if not isinstance(last_index, slice) or last_index.step not in (None, 1):
             return None
         return [(_bound(last_index.start, 0, n), _bound(last_index.stop, n, n))]
