@@ -1,5 +1,6 @@
-"""Tiny mixture-of-experts models of five transformers families (hidden 64, 8 experts, top-2; one layer,
-DeepSeek-V3 two: a dense one, then an MoE one; gpt-oss's experts have biases and interleave gate and up)."""
+"""Tiny mixture-of-experts models of transformers families (hidden 64, 8 experts, top-2; one layer, DeepSeek-V3
+two: a dense one, then an MoE one; gpt-oss's experts have biases and interleave gate and up; NemotronH's have no
+gate)."""
 import copy
 
 import torch
@@ -29,6 +30,11 @@ def configs(experts: int = 8) -> dict:
             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, **{**COMMON, "num_hidden_layers": 2}),
         "gpt_oss": transformers.GptOssConfig(intermediate_size=32, num_local_experts=experts, num_experts_per_tok=2,
                                              head_dim=16, layer_types=["full_attention"], **COMMON),
+        # experts with no gate: relu^2 of the up rows alone
+        "nemotron_h": transformers.NemotronHConfig(
+            hidden_size=64, layers_block_type=["full_attention", "moe"], num_attention_heads=4, num_key_value_heads=4, head_dim=16,
+            vocab_size=128, n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1, n_group=1,
+            topk_group=1, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32),
         # sparsemixer: two top-1 choices; it samples while training, so it is compared in eval mode
         "phimoe": transformers.PhimoeConfig(intermediate_size=32, num_local_experts=experts, num_experts_per_tok=2,
                                             **COMMON),

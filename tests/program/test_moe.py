@@ -21,7 +21,7 @@ from xla_tp.plan.hf import hf_plan
 from ..helpers import max_err
 from ..moe_models import build, original_grads, trained
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "nemotron_h")
 TP = 4
 
 

@@ -26,7 +26,7 @@ from ..moe_models import build
 
 QUICK = ("mixtral", "gpt_oss")  # the complete tier runs every family
 CASES = [pytest.param(name, None, id=name, marks=() if name in QUICK else pytest.mark.complete)
-         for name in ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")]
+         for name in ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss", "nemotron_h")]
 CASES.append(pytest.param("mixtral", "expert-parallel", id="mixtral-expert-parallel"))
 
 

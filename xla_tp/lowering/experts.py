@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from ..axes import spec_entry
 from . import ragged, slots as slotting
 
-Gate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Gate = Callable[..., torch.Tensor]  # (gate rows' output, up rows' output) -> activation; one argument when not gated
 LAYOUTS = ("expert-parallel", "expert-tensor-parallel", "replicated")
 
 
@@ -84,6 +84,7 @@ class ExpertSet:
     batch: tuple[str, ...] = ()  # mesh axes of the batch: one routing group per shard
     groups: int = 1
     relaid: bool = False  # gate_up re-laid device-major (expert-tensor-parallel)
+    gated: bool = True  # gate and up rows (``[E, 2I, H]``); False: up rows only (NemotronH's relu^2 experts)
     ep_axis: Optional[str] = None  # a batch axis that also splits the experts (slots routed per batch shard move
     # to them by all-to-all; one group of the whole batch, as torchtitan sorts it, is left to the compiler)
     weights: tuple = ()  # (gate_up name, stored [E, in, out], down name, stored [E, in, out]) on its module
@@ -128,27 +129,29 @@ def routing_groups(axis_sizes: dict[str, int], batch_axes: tuple[str, ...]) -> t
 
 
 def _chunked_weights(es: ExpertSet, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``gate_up`` (``[E, 2I, H]`` packed, or ``[E, 2, I, H]`` stacked) as ``[t, e, 2, i, H]`` and ``down``
-    as ``[t, e, H, i]`` for the layout's chunks."""
+    """``gate_up`` (``[E, 2I, H]`` packed, or ``[E, j, I, H]`` stacked: ``j`` 1 for experts with no gate) as
+    ``[t, e, j, i, H]`` and ``down`` as ``[t, e, H, i]`` for the layout's chunks."""
     experts, hidden, c = gate_up.shape[0], gate_up.shape[-1], es.chunks
+    j = gate_up.shape[1] if gate_up.dim() == 4 else 2
     inter = gate_up.shape[2] if gate_up.dim() == 4 else gate_up.shape[1] // 2
     if es.layout == "expert-tensor-parallel":
         up = (gate_up.reshape(experts, c, 2, inter // c, hidden).transpose(0, 1) if es.relaid and gate_up.dim() == 3
-              else gate_up.reshape(experts, 2, c, inter // c, hidden).permute(2, 0, 1, 3, 4))
+              else gate_up.reshape(experts, j, c, inter // c, hidden).permute(2, 0, 1, 3, 4))
         return up, down.reshape(experts, hidden, c, inter // c).permute(2, 0, 1, 3)
-    return (gate_up.reshape(c, experts // c, 2, inter, hidden), down.reshape(c, experts // c, hidden, inter))
+    return (gate_up.reshape(c, experts // c, j, inter, hidden), down.reshape(c, experts // c, hidden, inter))
 
 
 def _chunked_biases(es: ExpertSet, up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The up bias (``[E, 2I]`` packed, or ``[E, 2, I]`` stacked) as ``[t, e, 2, i]`` and the down bias
+    """The up bias (``[E, 2I]`` packed, or ``[E, j, I]`` stacked) as ``[t, e, j, i]`` and the down bias
     ``[E, H]`` as ``[t, e, H]``: under expert-tensor-parallel every chunk adds a partial down projection,
     so the down bias goes to chunk 0 only (the sum over ``t`` adds it once)."""
     experts, hidden, c = up.shape[0], down.shape[-1], es.chunks
-    up = up.reshape(experts, 2, -1)
+    j = up.shape[1] if up.dim() == 3 else 2
+    up = up.reshape(experts, j, -1)
     if es.layout == "expert-tensor-parallel":
         first = (torch.arange(c, device=down.device) == 0).to(down.dtype)
-        return (up.reshape(experts, 2, c, -1).permute(2, 0, 1, 3), first[:, None, None] * down.unsqueeze(0))
-    return up.reshape(c, experts // c, 2, -1), down.reshape(c, experts // c, hidden)
+        return (up.reshape(experts, j, c, -1).permute(2, 0, 1, 3), first[:, None, None] * down.unsqueeze(0))
+    return up.reshape(c, experts // c, j, -1), down.reshape(c, experts // c, hidden)
 
 
 def _chunked_slots(es: ExpertSet, table: torch.Tensor) -> torch.Tensor:
@@ -237,7 +240,7 @@ def run(es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.T
     if biases is not None:
         up_bias, down_bias = _chunked_biases(es, *biases)
         h = h + up_bias[:, None, :, None].to(h.dtype)
-    h = gate(h[..., 0, :], h[..., 1, :])
+    h = gate(*torch.unbind(h, -2))
     y = torch.einsum("tgeci,tehi->tgech", h, dn.to(h.dtype))
     if biases is not None:
         y = y + down_bias[:, None, :, None].to(y.dtype)

@@ -38,7 +38,7 @@ import torch
 
 from ..axes import spec_entry
 
-Gate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+Gate = Callable[..., torch.Tensor]  # (gate rows' output, up rows' output); one argument when not gated
 TILE_K = TILE_N = 512  # the kernel's tiles of the contracted and output features (it masks a ragged last tile)
 OVERHEAD = 0.15  # the share of rows a choice of row tile may add to the routed ones (one partial tile per expert)
 
@@ -185,12 +185,13 @@ def _masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _local(kernel: Kernel, gate: Gate, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            up: torch.Tensor, down: torch.Tensor, offset: torch.Tensor, experts: int,
-           biases: Optional[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+           biases: Optional[tuple[torch.Tensor, torch.Tensor]], gated: bool = True) -> torch.Tensor:
     """One device's layer: ``x [Tg, H]``, ``ids``/``weights [Tg, k]``, its experts' ``up [e, 2i, H]`` (gate rows,
     then up rows) and ``down [e, H, i]`` (from ``offset``), ``biases`` ``[e, 2i]``, ``[e, H]``; its partial
     output ``[Tg, H]``."""
     tokens, width = x.shape
-    k, local, inter = ids.shape[-1], up.shape[0], up.shape[1] // 2
+    halves = 2 if gated else 1  # gate rows then up rows, or up rows only
+    k, local, inter = ids.shape[-1], up.shape[0], up.shape[1] // halves
     flat = ids.reshape(-1).to(torch.int64)
     order = torch.sort(flat, stable=True).indices
     routed = flat.shape[0]
@@ -201,13 +202,13 @@ def _local(kernel: Kernel, gate: Gate, x: torch.Tensor, ids: torch.Tensor, weigh
     token = torch.cat([order // k, torch.full((pad,), tokens, dtype=order.dtype, device=order.device)])
     expert = torch.cat([flat[order], torch.full((pad,), experts, dtype=flat.dtype, device=flat.device)]) - offset
     valid = (expert >= 0) & (expert < local)
-    tiling = (tm, min(TILE_K, max(width, inter)), min(TILE_N, max(width, 2 * inter)))
+    tiling = (tm, min(TILE_K, max(width, inter)), min(TILE_N, max(width, halves * inter)))
     xs = torch.cat([x, x.new_zeros(1, width)])[token]  # padding rows read a zero row
     h = _LocalGMM.apply(xs, up, sizes, offset, valid, kernel, tiling)  # [rows, 2i]
     slot = expert.clamp(0, local - 1)
     if biases is not None:
         h = h + _masked(biases[0][slot], valid).to(h.dtype)
-    a = _masked(gate(h[:, :inter], h[:, inter:]), valid)
+    a = _masked(gate(h[:, :inter], h[:, inter:]) if gated else gate(h), valid)
     y = _LocalGMM.apply(a.to(h.dtype), down, sizes, offset, valid, kernel, tiling)  # [rows, H]
     if biases is not None:
         y = y + _masked(biases[1][slot], valid).to(y.dtype)
@@ -249,7 +250,7 @@ class _Plan:
     """Where each tensor of one layer's call lives on the mesh, and the layer on local shards."""
 
     def __init__(self, es: Any, kernel: Kernel, gate: Gate, experts: int) -> None:
-        self.mesh, self.kernel, self.gate, self.experts = es.sharder.mesh, kernel, gate, experts
+        self.mesh, self.kernel, self.gate, self.experts, self.gated = es.sharder.mesh, kernel, gate, experts, es.gated
         head = es.axis if es.chunks > 1 else None
         batch = spec_entry(es.batch)
         self.out_spec = (head, batch, None, None)
@@ -271,7 +272,7 @@ class _Plan:
     def layer(self, x, ids, weights, up, down, offsets, up_bias, down_bias) -> torch.Tensor:
         biases = None if up_bias is None else (up_bias[0], down_bias[0])
         y = _local(self.kernel, self.gate, x[0, 0], ids[0], weights[0], up[0], down[0], offsets[0], self.experts,
-                   biases)
+                   biases, self.gated)
         return y.unsqueeze(0).unsqueeze(0)
 
     def leave_grad(self, index: int, grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -76,7 +76,8 @@ def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], 
                  down.contracted == 1)
         es = ExpertSet(kind, state.tp if kind != "replicated" else 1, layout.tp_axis, XlaSharder(state.mesh), batch,
                        groups, relaid=getattr(param_state(weight), "packing", None) is not None, options=options,
-                       weights=names, ep_axis=ep_axis)
+                       weights=names, ep_axis=ep_axis,
+                       gated=getattr(root.get_submodule(layer.module), "has_gate", True))
         for name in (up.param.name, down.param.name):
             ensure_param_state(root.get_parameter(name)).experts = es
         _sets[root.get_submodule(layer.module)] = es
@@ -112,14 +113,15 @@ def dispatch_collectives(module: nn.Module, args: tuple, sizes: dict[str, int]) 
 
 
 def _hf_supported(module: nn.Module) -> bool:
-    return getattr(module, "has_gate", True) and not getattr(module, "has_post_expert_norm", False)
+    return not getattr(module, "has_post_expert_norm", False)
 
 
 def hf_forward(module: nn.Module, es: ExpertSet, hidden: torch.Tensor, ids: torch.Tensor,
                weights: torch.Tensor) -> torch.Tensor:
     """A transformers experts layer's forward (``self, hidden_states, top_k_index, top_k_weights``): gate
     and up rows concatenated (``[g..., u...]``) or interleaved (``is_concatenated=False``, gpt-oss's
-    ``[g0, u0, g1, u1, ...]``), with or without biases (``has_bias``)."""
+    ``[g0, u0, g1, u1, ...]``), or up rows only (``has_gate=False``: NemotronH's, their activation alone), with or
+    without biases (``has_bias``)."""
     up_name, up_t, down_name, down_t = es.weights
     up, down = getattr(module, up_name), getattr(module, down_name)
     up, down = up.transpose(1, 2) if up_t else up, down.transpose(1, 2) if down_t else down
@@ -130,7 +132,12 @@ def hf_forward(module: nn.Module, es: ExpertSet, hidden: torch.Tensor, ids: torc
         up = up.unflatten(1, (-1, 2)).transpose(1, 2)
         biases = biases and (biases[0].unflatten(1, (-1, 2)).transpose(1, 2), biases[1])
 
-    def gate(g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    if not es.gated:  # [E, I, H] as [E, 1, I, H]: one block of rows
+        up, biases = up.unsqueeze(1), biases and (biases[0].unsqueeze(1), biases[1])
+
+    def gate(g: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if u is None:
+            return module.act_fn(g)
         return module._apply_gate(torch.stack([g, u], -1).flatten(-2) if interleaved else torch.cat([g, u], -1))
 
     if scope.lowering():
