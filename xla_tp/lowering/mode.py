@@ -177,39 +177,39 @@ def _laid_shape(args: tuple, packing: packed.Packing) -> tuple:
 def _slice_ranges(func, args: tuple, kwargs: dict, t: torch.Tensor, n: int) -> Optional[list[tuple[int, int]]]:
     """The feature ranges a slicing op takes from ``t``'s re-laid features (``n`` original features; the last dim, or
     the channels dim they were moved to: ``channels.laid_dim``), or None if it is not such an op."""
-    last = channels.laid_dim(t)
+    laid = channels.laid_dim(t)
 
-    def on_last(dim: Any) -> bool:
-        return isinstance(dim, int) and dim % t.dim() == last
+    def on_laid(dim: Any) -> bool:
+        return isinstance(dim, int) and dim % t.dim() == laid
 
     if func in (torch.Tensor.split, torch.split, torch.Tensor.split_with_sizes):
         size, dim = (args[1] if len(args) > 1 else kwargs.get("split_size_or_sections", kwargs.get("split_size"))), \
             (args[2] if len(args) > 2 else kwargs.get("dim", 0))
-        if not on_last(dim):
+        if not on_laid(dim):
             return None
         sizes = [size] * (-(-n // size)) if isinstance(size, int) else list(size)
         return _runs(sizes, n)
     if func in (torch.Tensor.chunk, torch.chunk):
         chunks, dim = args[1] if len(args) > 1 else kwargs["chunks"], args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        if not on_last(dim):
+        if not on_laid(dim):
             return None
         step = -(-n // chunks)
         return _runs([step] * (-(-n // step)), n)
     if func is torch.Tensor.narrow:
         dim, start, length = args[1:4]
-        return [(start % n, start % n + length)] if on_last(dim) else None
+        return [(start % n, start % n + length)] if on_laid(dim) else None
     if _is_getitem(func):
         index = args[1] if isinstance(args[1], tuple) else (args[1],)
         if Ellipsis in index:
             i = index.index(Ellipsis)
             index = index[:i] + (slice(None),) * (t.dim() - len(index) + 1) + index[i + 1:]
         if len(index) != t.dim() or any(not isinstance(i, slice) or i != slice(None) for d, i in enumerate(index)
-                                        if d != last):
+                                        if d != laid):
             return None
-        last_index = index[last]
-        if not isinstance(last_index, slice) or last_index.step not in (None, 1):
+        taken = index[laid]
+        if not isinstance(taken, slice) or taken.step not in (None, 1):
             return None
-        return [(_bound(last_index.start, 0, n), _bound(last_index.stop, n, n))]
+        return [(_bound(taken.start, 0, n), _bound(taken.stop, n, n))]
     return None
 
 
