@@ -366,6 +366,20 @@ def test_vision_towers_from_their_config(name):
     assert report.comm_ratio == pytest.approx(1.0, abs=0.05), report
 
 
+def test_a_tower_the_made_up_images_do_not_run_is_left_whole_with_a_warning_that_says_so():
+    """SmolVLM takes ``[batch, images, 3, H, W]`` where the images made up are ``[batch, 3, H, W]``: planned from a
+    text call, the tower whole, and a warning naming the model, the error and what to pass."""
+    cfg = transformers.SmolVLMConfig(image_token_id=127, scale_factor=2, vision_config=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=8, image_size=32, patch_size=8),
+        text_config=dict(model_type="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=8, num_key_value_heads=4, pad_token_id=0))
+    ref = seeded(lambda: transformers.SmolVLMForConditionalGeneration(cfg))
+    with pytest.warns(UserWarning, match=r"SmolVLMForConditionalGeneration takes images, but its vision tower did not "
+                                         r"run on the images xla_tp made up \(ValueError: .*\).*example_kwargs"):
+        plan = plan_for(ref, mesh=xla_tp.make_mesh(data=2, model=4))
+    assert "model.vision_model.encoder.layers.0.mlp.fc1.weight" in plan.replicated
+
+
 def test_t5_for_conditional_generation_gets_decoder_inputs():
     """Encoder and decoder stacks, self- and cross-attention (k/v from the encoder), the tied head."""
     mesh = xla_tp.make_mesh(data=2, model=4)

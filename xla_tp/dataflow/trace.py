@@ -19,6 +19,7 @@ and what is computed from them alone (or from numbers) runs for real. Example:
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -174,8 +175,13 @@ def trace(model: nn.Module, example_inputs: Optional[Sequence[Any]] = None,
         try:  # a vision tower reached only by an image call: traced with images, in the form it takes them
             args, made = synthesize(model, images=True)
             return _traced(model, args, {**made, **(example_kwargs or {})}, swap, modes, repeats, host_values(model, made))
-        except PlanError:
-            pass  # the tower did not run on the images made up: tokens alone, the tower unplanned
+        except PlanError as error:  # the tower did not run on the images made up: tokens alone, the tower unplanned
+            cause = error.__cause__ or error
+            reason = f"{type(cause).__name__}: {str(cause).splitlines()[0][:160]}" if str(cause) else type(cause).__name__
+            warnings.warn(f"xla_tp: {type(model).__name__} takes images, but its vision tower did not run on the "
+                          f"images xla_tp made up ({reason}); it is planned from a text call, and the parameters "
+                          f"that call does not reach stay whole on every device (explain() lists them): pass an "
+                          f"image call's inputs as example_kwargs to plan the tower", stacklevel=2)
     return _traced(model, example_inputs, example_kwargs, swap, modes, repeats)
 
 
