@@ -52,7 +52,7 @@ def follows(func: Callable, t: torch.Tensor) -> bool:
 def follow(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, packing: packed.Packing) -> Any:
     """``func`` on the tagged ``t`` (its first argument), its output tagged (see the module docstring)."""
     dim, rank = laid_dim(t), t.dim()
-    if func is torch.Tensor.copy_ and len(args) > 1 and _same_layout(args[1], t) and args[0].shape == t.shape:
+    if func is torch.Tensor.copy_ and len(args) > 1 and same_layout(args[1], t) and args[0].shape == t.shape:
         return tagged(args[0].copy_(args[1]), packing, dim)  # a cache's buffer holding these features: their layout
     if args[0] is not t:
         return NotImplemented
@@ -90,7 +90,7 @@ def pieces(t: torch.Tensor, packing: packed.Packing, ranges: list[tuple[int, int
             for p in got]
 
 
-def _same_layout(a: Any, t: torch.Tensor) -> bool:
+def same_layout(a: Any, t: torch.Tensor) -> bool:
     """Whether ``a`` holds re-laid features as the tagged ``t`` does (the same packing, on the same dim)."""
     return a is t or (packed.tag_of(a) == packed.tag_of(t) and laid_dim(a) == laid_dim(t))
 
@@ -106,7 +106,7 @@ def joined(tensors: Any, dim: int = 0, **kwargs: Any) -> Any:
     if packing is None or not isinstance(first, torch.Tensor):
         return NotImplemented
     laid = laid_dim(first)
-    if dim % first.dim() == laid or not all(_same_layout(t, first) for t in tensors[1:]):
+    if dim % first.dim() == laid or not all(same_layout(t, first) for t in tensors[1:]):
         return NotImplemented
     return tagged(torch.cat(tensors, dim), packing, laid)
 
@@ -161,4 +161,4 @@ def shifted(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     return out if bias is None else out + bias[:, None]
 
 
-__all__ = ["HANDLERS", "follow", "follows", "joined", "laid_dim", "pieces", "shifted", "tagged"]
+__all__ = ["HANDLERS", "follow", "follows", "joined", "laid_dim", "pieces", "same_layout", "shifted", "tagged"]

@@ -84,7 +84,6 @@ class ExpertSet:
     batch: tuple[str, ...] = ()  # mesh axes of the batch: one routing group per shard
     groups: int = 1
     relaid: bool = False  # gate_up re-laid device-major (expert-tensor-parallel)
-    gated: bool = True  # gate and up rows (``[E, 2I, H]``); False: up rows only (NemotronH's relu^2 experts)
     ep_axis: Optional[str] = None  # a batch axis that also splits the experts (slots routed per batch shard move
     # to them by all-to-all; one group of the whole batch, as torchtitan sorts it, is left to the compiler)
     weights: tuple = ()  # (gate_up name, stored [E, in, out], down name, stored [E, in, out]) on its module

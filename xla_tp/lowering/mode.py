@@ -125,7 +125,7 @@ def _elementwise(func: Callable, args: tuple, kwargs: dict, t: torch.Tensor, pac
     for a in args:
         if a is t or not isinstance(a, torch.Tensor) or a.dim() == 0 or a.shape[-1] == 1:
             laid.append(a)
-        elif packed.tag_of(a) == packing and channels.laid_dim(a) == a.dim() - 1 and a.shape[-1] == t.shape[-1]:
+        elif channels.same_layout(a, t) and a.shape[-1] == t.shape[-1]:
             laid.append(a)
         elif packed.tag_of(a) is None and a.shape[-1] == packing.size:
             laid.append(packed.permute(a, dataclasses.replace(packing, dim=a.dim() - 1)))

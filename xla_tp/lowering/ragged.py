@@ -185,12 +185,11 @@ def _masked(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 def _local(kernel: Kernel, gate: Gate, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
            up: torch.Tensor, down: torch.Tensor, offset: torch.Tensor, experts: int,
-           biases: Optional[tuple[torch.Tensor, torch.Tensor]], gated: bool = True) -> torch.Tensor:
+           biases: Optional[tuple[torch.Tensor, torch.Tensor]], halves: int = 2) -> torch.Tensor:
     """One device's layer: ``x [Tg, H]``, ``ids``/``weights [Tg, k]``, its experts' ``up [e, 2i, H]`` (gate rows,
-    then up rows) and ``down [e, H, i]`` (from ``offset``), ``biases`` ``[e, 2i]``, ``[e, H]``; its partial
+    then up rows; ``halves`` 1: up rows only) and ``down [e, H, i]`` (from ``offset``), ``biases`` ``[e, 2i]``, ``[e, H]``; its partial
     output ``[Tg, H]``."""
     tokens, width = x.shape
-    halves = 2 if gated else 1  # gate rows then up rows, or up rows only
     k, local, inter = ids.shape[-1], up.shape[0], up.shape[1] // halves
     flat = ids.reshape(-1).to(torch.int64)
     order = torch.sort(flat, stable=True).indices
@@ -208,7 +207,7 @@ def _local(kernel: Kernel, gate: Gate, x: torch.Tensor, ids: torch.Tensor, weigh
     slot = expert.clamp(0, local - 1)
     if biases is not None:
         h = h + _masked(biases[0][slot], valid).to(h.dtype)
-    a = _masked(gate(h[:, :inter], h[:, inter:]) if gated else gate(h), valid)
+    a = _masked(gate(h[:, :inter], h[:, inter:]) if halves == 2 else gate(h), valid)
     y = _LocalGMM.apply(a.to(h.dtype), down, sizes, offset, valid, kernel, tiling)  # [rows, H]
     if biases is not None:
         y = y + _masked(biases[1][slot], valid).to(y.dtype)
@@ -249,8 +248,8 @@ class _Region(torch.autograd.Function):
 class _Plan:
     """Where each tensor of one layer's call lives on the mesh, and the layer on local shards."""
 
-    def __init__(self, es: Any, kernel: Kernel, gate: Gate, experts: int) -> None:
-        self.mesh, self.kernel, self.gate, self.experts, self.gated = es.sharder.mesh, kernel, gate, experts, es.gated
+    def __init__(self, es: Any, kernel: Kernel, gate: Gate, experts: int, halves: int) -> None:
+        self.mesh, self.kernel, self.gate, self.experts, self.halves = es.sharder.mesh, kernel, gate, experts, halves
         head = es.axis if es.chunks > 1 else None
         batch = spec_entry(es.batch)
         self.out_spec = (head, batch, None, None)
@@ -272,7 +271,7 @@ class _Plan:
     def layer(self, x, ids, weights, up, down, offsets, up_bias, down_bias) -> torch.Tensor:
         biases = None if up_bias is None else (up_bias[0], down_bias[0])
         y = _local(self.kernel, self.gate, x[0, 0], ids[0], weights[0], up[0], down[0], offsets[0], self.experts,
-                   biases, self.gated)
+                   biases, self.halves)
         return y.unsqueeze(0).unsqueeze(0)
 
     def leave_grad(self, index: int, grad: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -309,7 +308,7 @@ def run(es: Any, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     x = hidden.reshape(groups, tokens // groups, width).unsqueeze(0).expand(chunks, groups, tokens // groups, width)
     shaped = [t.reshape(groups, tokens // groups, k) for t in (ids, weights)]
     up_bias, down_bias = (biases[0].flatten(2), biases[1]) if biases is not None else (None, None)
-    plan = _Plan(es, kernel, gate, experts)
+    plan = _Plan(es, kernel, gate, experts, halves=up.shape[2])  # gate and up rows, or up rows alone
     out = _Region.apply(plan, x, *shaped, up.flatten(2, 3).to(hidden.dtype), down.to(hidden.dtype), offsets, up_bias,
                         down_bias)
     es.last = {"routed": tokens * k, "dropped": torch.zeros((), dtype=torch.int64, device=hidden.device),

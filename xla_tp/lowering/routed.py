@@ -76,8 +76,7 @@ def install_experts(root: nn.Module, state: ModelState, graph: Optional[Graph], 
                  down.contracted == 1)
         es = ExpertSet(kind, state.tp if kind != "replicated" else 1, layout.tp_axis, XlaSharder(state.mesh), batch,
                        groups, relaid=getattr(param_state(weight), "packing", None) is not None, options=options,
-                       weights=names, ep_axis=ep_axis,
-                       gated=getattr(root.get_submodule(layer.module), "has_gate", True))
+                       weights=names, ep_axis=ep_axis)
         for name in (up.param.name, down.param.name):
             ensure_param_state(root.get_parameter(name)).experts = es
         _sets[root.get_submodule(layer.module)] = es
@@ -132,7 +131,7 @@ def hf_forward(module: nn.Module, es: ExpertSet, hidden: torch.Tensor, ids: torc
         up = up.unflatten(1, (-1, 2)).transpose(1, 2)
         biases = biases and (biases[0].unflatten(1, (-1, 2)).transpose(1, 2), biases[1])
 
-    if not es.gated:  # [E, I, H] as [E, 1, I, H]: one block of rows
+    if not getattr(module, "has_gate", True):  # [E, I, H] as [E, 1, I, H]: one block of rows
         up, biases = up.unsqueeze(1), biases and (biases[0].unsqueeze(1), biases[1])
 
     def gate(g: torch.Tensor, u: Optional[torch.Tensor] = None) -> torch.Tensor:
